@@ -1,0 +1,75 @@
+"""moe_ops: one grouped-matmul operator for Mixture-of-Experts layers, a native kernel per device.
+
+``moe_ops.grouped_mm`` is ``torch.ops.moe.grouped_mm``; see its docstring for the contract.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+from ._contract import checked
+from ._op import kernel_counts, reset_kernel_counts
+from .backends import load_all as _load_backends
+
+__all__ = ["grouped_mm", "reference", "checked", "kernel_counts", "reset_kernel_counts"]
+__version__ = "0.1.0"
+
+
+def grouped_mm(
+    mat_a: Tensor,
+    mat_b: Tensor,
+    offs: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """Grouped matrix multiply, a drop-in for ``torch._grouped_mm`` (same names and layouts).
+
+    Layouts (G groups; offs[g] is the end of group g, offs[-1] of the previous group read as 0):
+
+    * 2D x 3D: mat_a [M, K], mat_b [G, K, N], offs [G] over M -> [M, N]; rows
+      offs[g-1]:offs[g] of mat_a use mat_b[g]. The MoE forward, and with mat_b transposed
+      ([G, N, K] viewed as [G, K, N]) the input gradient.
+    * 2D x 2D: mat_a [M, K], mat_b [K, N], offs [G] over K -> [G, M, N]; group g contracts over
+      its slice of K. The weight gradient.
+    * 3D x 3D: mat_a [G, M, K], mat_b [G, K, N], offs None -> [G, M, N].
+    * 3D x 2D: mat_a [G, M, K], mat_b [K, N], offs [G] over N -> [M, N]; columns
+      offs[g-1]:offs[g] use mat_a[g].
+
+    Contract:
+
+    * offs: int32 or int64, non-decreasing, 0 <= offs[g] <= the ragged extent; offs[-1] may be
+      below the extent. Rows (2Dx3D) or columns (3Dx2D) past offs[-1] are exactly zero; an empty
+      group gives zero rows, and in 2Dx2D an exactly zero [M, N] slice.
+    * dtypes: float32, bfloat16, float16, float64; mat_a and mat_b share one. Accumulation is in
+      float32 (float64 for float64 inputs). out_dtype is None (the input dtype) or float32 for
+      bfloat16/float16 inputs.
+    * bias: optional [G, N] in the inputs' dtype, for 2Dx3D and 3Dx3D, added in the
+      accumulation precision before the final cast.
+    * Any strides; no alignment requirement. The result is a new contiguous tensor.
+    * Bad metadata raises TypeError (types, dtypes, out_dtype) or ValueError (ranks, shapes,
+      offs/bias presence, devices) naming the argument. On CPU, offs values are checked too
+      (negative, decreasing, beyond the extent: ValueError). On accelerators values are never
+      read on the host: kernels compute with ``cummax(clamp(offs, 0, extent))``, which is the
+      identity for valid offs and memory-safe for any others; ``with moe_ops.checked():`` (or
+      MOE_OPS_CHECKED=1) validates there as well, at the cost of one host sync per call.
+    * Differentiable in mat_a, mat_b and bias; the backward calls this op, so it runs on the
+      same native kernels. Works under torch.compile (fullgraph, dynamic) and torch.export.
+
+    Args:
+        mat_a: [M, K] or [G, M, K].
+        mat_b: [G, K, N] or [K, N], mat_a's dtype.
+        offs: [G] cumulative group ends, or None for 3D x 3D.
+        bias: [G, N] or None.
+        out_dtype: None or torch.float32.
+
+    Returns:
+        [M, N] for 2Dx3D and 3Dx2D, [G, M, N] for 2Dx2D and 3Dx3D, in out_dtype.
+    """
+    return torch.ops.moe.grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+
+
+_load_backends()

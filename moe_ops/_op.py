@@ -1,0 +1,184 @@
+"""``torch.ops.moe.grouped_mm``: the op, its fake kernel, its autograd formula and the kernel entry.
+
+Registration (measured on torch 2.13, see README "Design"):
+* the reference is the CompositeExplicitAutograd kernel (the body of ``custom_op``), so every
+  device without a native kernel gets a correct, sync-free result;
+* ``register_fake`` derives shapes and dtypes from metadata only;
+* ``register_autograd`` writes both gradients as calls of the op itself, so the backward runs on
+  the same native kernels as the forward;
+* device kernels are added per dispatch key through ``register_device_kernel`` (one file per
+  backend under ``moe_ops/backends``), wrapped by ``kernel_entry`` which does the contract checks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import _contract, reference
+from ._contract import LAYOUT_2D2D, LAYOUT_2D3D, LAYOUT_3D2D, LAYOUT_3D3D
+
+log = logging.getLogger("moe_ops")
+
+OP_NAME = "moe::grouped_mm"
+
+_counts_lock = threading.Lock()
+_counts: collections.Counter = collections.Counter()
+_fallback_logged: set = set()
+
+
+def kernel_counts() -> dict:
+    """How many calls each kernel served in this process, e.g. {"cpu:cpp": 12, "reference": 1}."""
+    with _counts_lock:
+        return dict(_counts)
+
+
+def reset_kernel_counts() -> None:
+    with _counts_lock:
+        _counts.clear()
+
+
+def _record(name: str) -> None:
+    with _counts_lock:
+        _counts[name] += 1
+
+
+_served = threading.local()
+
+
+def note_kernel(name: str) -> None:
+    """Called by a kernel impl to name the concrete kernel that served the call (e.g.
+    "cuda:triton" vs "cuda:blackwell"); otherwise the registered name is recorded."""
+    _served.name = name
+
+
+def kernel_entry(name: str, impl: Callable) -> Callable:
+    """Wrap a device kernel with the contract: metadata checks, offs values, reference fallback.
+
+    ``impl(problem, mat_a, mat_b, offs, bias)`` receives validated arguments; on CPU tensors (or
+    in checked mode) offs values were checked, otherwise offs was sanitized on the device. It
+    may raise NotImplementedError for a layout or dtype it does not serve: the reference then
+    computes the call and the reason is logged once.
+    """
+
+    def kernel(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
+        if offs is not None:
+            if offs.device.type == "cpu" or _contract.checked_mode():
+                _contract.check_offs_values(offs, p.extent)
+            else:
+                offs = _contract.sanitize_offs(offs, p.extent)
+        _served.name = None
+        try:
+            out = impl(p, mat_a, mat_b, offs, bias)
+        except NotImplementedError as e:
+            key = (name, str(e))
+            if key not in _fallback_logged:
+                _fallback_logged.add(key)
+                log.info("moe_ops: %s does not serve this call (%s); using the reference", name, e)
+            _record("reference")
+            return reference.compute(p, mat_a, mat_b, offs, bias)
+        _record(_served.name or name)
+        return out
+
+    kernel.__name__ = f"grouped_mm_{name.replace(':', '_')}"
+    return kernel
+
+
+def _reference_impl(p, mat_a, mat_b, offs, bias):
+    return reference.compute(p, mat_a, mat_b, offs, bias)
+
+
+_default_kernel = kernel_entry("reference", _reference_impl)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def grouped_mm(
+    mat_a: Tensor,
+    mat_b: Tensor,
+    offs: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """Grouped matmul (see ``moe_ops.grouped_mm`` for the contract). Default kernel: the reference."""
+    return _default_kernel(mat_a, mat_b, offs, bias, out_dtype)
+
+
+@grouped_mm.register_fake
+def _fake(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
+    return mat_a.new_empty(p.out_shape, dtype=p.out_dtype)
+
+
+def register_device_kernel(device_type: str, name: str, impl: Callable) -> None:
+    """Register ``impl`` (see ``kernel_entry``) as the kernel for one device type.
+
+    device_type is a torch.library device name ("cpu", "cuda", "xla", "privateuseone", ...);
+    name is what ``kernel_counts`` and ``python -m moe_ops`` call it.
+    """
+    grouped_mm.register_kernel(device_type)(kernel_entry(name, impl))
+
+
+def _setup_context(ctx, inputs, output):
+    mat_a, mat_b, offs, bias, out_dtype = inputs
+    ctx.layout = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype).layout
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    # Only what the requested gradients read: d mat_a needs mat_b, d mat_b needs mat_a.
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    ctx.save_for_backward(mat_a if need_b else None, mat_b if need_a else None, offs)
+    ctx.dtype = mat_a.dtype
+
+
+def _backward(ctx, grad):
+    mat_a, mat_b, offs = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_bias = ctx.has_bias and ctx.needs_input_grad[3]
+    # With out_dtype=float32 the incoming gradient is fp32; the gradients of bf16/fp16 inputs are
+    # computed from it rounded to the input dtype, with fp32 accumulation inside the op. The bias
+    # gradient is a plain sum and keeps the incoming precision.
+    grad_out, grad = grad, grad.to(ctx.dtype)
+    op = torch.ops.moe.grouped_mm
+    d_a = d_b = d_bias = None
+    if ctx.layout == LAYOUT_2D3D:
+        # out[rows_g] = a[rows_g] @ b[g]:  da[rows_g] = grad[rows_g] @ b[g].T,
+        # db[g] = a[rows_g].T @ grad[rows_g] (2d2d over M),  dbias[g] = sum of grad[rows_g].
+        if need_a:
+            d_a = op(grad, mat_b.transpose(1, 2), offs)
+        if need_b:
+            d_b = op(mat_a.t(), grad, offs)
+        if need_bias:
+            ones = grad_out.new_ones((1, grad_out.shape[0]))
+            d_bias = op(ones, grad_out, offs).squeeze(1)
+    elif ctx.layout == LAYOUT_3D3D:
+        if need_a:
+            d_a = op(grad, mat_b.transpose(1, 2))
+        if need_b:
+            d_b = op(mat_a.transpose(1, 2), grad)
+        if need_bias:
+            d_bias = grad_out.sum(dim=1, dtype=torch.float64 if ctx.dtype == torch.float64 else torch.float32)
+    elif ctx.layout == LAYOUT_2D2D:
+        # out[g] = a[:, k_g] @ b[k_g]:  da[:, k_g] = grad[g] @ b[k_g].T (3d2d over K),
+        # db[k_g] = a[:, k_g].T @ grad[g] (2d3d over K).
+        if need_a:
+            d_a = op(grad, mat_b.t(), offs)
+        if need_b:
+            d_b = op(mat_a.t(), grad, offs)
+    else:  # LAYOUT_3D2D
+        # out[:, n_g] = a[g] @ b[:, n_g]:  da[g] = grad[:, n_g] @ b[:, n_g].T (2d2d over N),
+        # db[:, n_g] = a[g].T @ grad[:, n_g] (3d2d over N).
+        if need_a:
+            d_a = op(grad, mat_b.t(), offs)
+        if need_b:
+            d_b = op(mat_a.transpose(1, 2), grad, offs)
+    if d_bias is not None:
+        d_bias = d_bias.to(ctx.bias_dtype)
+    return d_a, d_b, None, d_bias, None
+
+
+grouped_mm.register_autograd(_backward, setup_context=_setup_context)

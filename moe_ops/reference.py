@@ -1,0 +1,173 @@
+"""The reference implementation of ``moe::grouped_mm``: the executable specification.
+
+It is built from ATen ops only, runs on any device, is exact up to rounding in every dtype
+(float64 included), and is the op's default kernel (CompositeExplicitAutograd), so a device
+without a native kernel still gets the right answer.
+
+Two formulations compute the same function:
+
+* ``grouped_mm`` on CPU tensors: a loop over groups, one matmul per group. offs values are read
+  on the host, which is free on CPU. This is the plainest statement of the math.
+* on accelerator tensors (and from ``grouped_mm_sync_free`` anywhere): a block formulation with
+  static shapes that never reads offs on the host. Each group's rows are split into blocks of
+  ``T = ceil(extent / G)`` rows; there are at most ``ceil(extent / T) + G - 1 <= 2G - 1`` blocks,
+  so one batched matmul over the blocks costs at most ~2x the grouped FLOPs and ~2x the weight
+  memory, whatever the group sizes, and never syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _contract
+from ._contract import LAYOUT_2D2D, LAYOUT_2D3D, LAYOUT_3D2D, LAYOUT_3D3D, Problem
+
+__all__ = ["grouped_mm", "grouped_mm_sync_free", "block_schedule"]
+
+
+def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """Reference grouped matmul; same arguments and contract as ``moe_ops.grouped_mm``.
+
+    Args:
+        mat_a: [M, K] or [G, M, K]; float32, bfloat16, float16 or float64.
+        mat_b: [G, K, N] or [K, N]; mat_a's dtype. Any strides.
+        offs: [G] int32/int64 cumulative group ends over the ragged dimension (M for 2Dx3D,
+            K for 2Dx2D, N for 3Dx2D); None for 3Dx3D.
+        bias: optional [G, N] in the inputs' dtype (2Dx3D and 3Dx3D only).
+        out_dtype: None (the inputs' dtype) or torch.float32 for bf16/fp16 inputs.
+
+    Returns:
+        A new contiguous tensor: [M, N] (2Dx3D, 3Dx2D) or [G, M, N] (2Dx2D, 3Dx3D). Rows
+        (2Dx3D) or columns (3Dx2D) past offs[-1] and the slices of empty 2Dx2D groups are zero.
+    """
+    p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
+    if offs is not None:
+        if offs.device.type == "cpu" or _contract.checked_mode():
+            _contract.check_offs_values(offs, p.extent)
+        else:
+            offs = _contract.sanitize_offs(offs, p.extent)
+    return compute(p, mat_a, mat_b, offs, bias)
+
+
+def grouped_mm_sync_free(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """The block formulation on any device (never reads offs values on the host).
+
+    Invalid offs are not rejected: they are clamped as on an accelerator
+    (``cummax(clamp(offs, 0, extent))``).
+    """
+    p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
+    if offs is not None:
+        offs = _contract.sanitize_offs(offs, p.extent)
+    return _compute_sync_free(p, mat_a, mat_b, offs, bias)
+
+
+def compute(p: Problem, mat_a, mat_b, offs, bias):
+    """Compute an already validated problem (offs valid on CPU, sanitized elsewhere)."""
+    if mat_a.device.type == "cpu":
+        return _compute_loop(p, mat_a, mat_b, offs, bias)
+    return _compute_sync_free(p, mat_a, mat_b, offs, bias)
+
+
+def _mm(p: Problem, x, y, bias_row=None):
+    """x [..., m, k] @ y [..., k, n] accumulated in p.acc_dtype, bias added before the one cast."""
+    if bias_row is None and p.out_dtype == p.dtype:
+        # ATen's CPU and CUDA matmuls accumulate bf16/fp16 products in fp32 and round once.
+        return torch.matmul(x, y)
+    r = torch.matmul(x.to(p.acc_dtype), y.to(p.acc_dtype))
+    if bias_row is not None:
+        r = r + bias_row.to(p.acc_dtype)
+    return r.to(p.out_dtype)
+
+
+def _mm_into(p: Problem, dst, x, y, bias_row=None):
+    """dst[...] = x @ y (+ bias_row); writes straight into contiguous dst when no cast is needed."""
+    if bias_row is None and p.out_dtype == p.dtype and dst.is_contiguous():
+        torch.mm(x, y, out=dst)  # saves a temporary and a copy per group (~10% at G=64 on CPU)
+    else:
+        dst.copy_(_mm(p, x, y, bias_row))
+
+
+def _bounds(offs):
+    ends = offs.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _compute_loop(p: Problem, a, b, offs, bias):
+    if p.layout == LAYOUT_3D3D:
+        out = _mm(p, a, b, None if bias is None else bias.unsqueeze(1))
+        return out.contiguous()
+    out = a.new_zeros(p.out_shape, dtype=p.out_dtype)
+    for g, (s, e) in enumerate(_bounds(offs)):
+        if e <= s:
+            continue  # empty group: its rows / slice stay exactly zero
+        if p.layout == LAYOUT_2D3D:
+            _mm_into(p, out[s:e], a[s:e], b[g], None if bias is None else bias[g])
+        elif p.layout == LAYOUT_2D2D:
+            _mm_into(p, out[g], a[:, s:e], b[s:e])
+        else:  # LAYOUT_3D2D
+            _mm_into(p, out[:, s:e], a[g], b[:, s:e])
+    return out
+
+
+def block_schedule(offs, extent: int, block: int):
+    """Assign fixed-size blocks to groups on the device, with static shapes.
+
+    Group g's rows [offs[g-1], offs[g]) are cut into ceil(size_g / block) blocks. The number of
+    blocks is the static worst case ``ceil(extent / block) + G - 1``; unused blocks get group
+    id G. No value is read on the host.
+
+    Args:
+        offs: [G] valid (sanitized) cumulative group ends, int32 or int64.
+        extent: the partitioned length (e.g. M).
+        block: rows per block, >= 1.
+
+    Returns:
+        (group [nb] int64 in [0, G], rows [nb, block] int64 row index per slot, valid [nb, block]
+        bool). Invalid slots point at row ``extent`` (one past the end).
+    """
+    G = offs.shape[0]
+    nb = -(-extent // block) + G - 1
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    per_group = torch.div(ends - starts + block - 1, block, rounding_mode="floor")
+    last_block = torch.cumsum(per_group, 0)  # blocks [last_block[g-1], last_block[g]) are g's
+    j = torch.arange(nb, device=offs.device)
+    group = torch.searchsorted(last_block, j, right=True)  # G where j is past every group
+    gc = group.clamp(max=G - 1)
+    first = last_block[gc] - per_group[gc]
+    row0 = starts[gc] + (j - first) * block
+    rows = row0[:, None] + torch.arange(block, device=offs.device)
+    valid = (group[:, None] < G) & (rows < ends[gc][:, None])
+    rows = torch.where(valid, rows, extent)
+    return group, rows, valid
+
+
+def _compute_sync_free(p: Problem, a, b, offs, bias):
+    if p.layout == LAYOUT_3D3D:
+        return _compute_loop(p, a, b, offs, bias)  # no offs: one batched matmul, nothing to sync
+    if p.layout == LAYOUT_3D2D:
+        # out[:, cols_g] = a[g] @ b[:, cols_g]  <=>  out.T = 2d3d(b.T [N, K], a.mT [G, K, M])
+        q = Problem(LAYOUT_2D3D, p.G, p.N, p.K, p.M, p.dtype, p.out_dtype, p.acc_dtype, (p.N, p.M), p.N)
+        return _compute_sync_free(q, b.t(), a.transpose(1, 2), offs, None).t().contiguous()
+
+    extent = p.extent
+    if extent == 0:
+        return a.new_zeros(p.out_shape, dtype=p.out_dtype)  # no row (or no K) belongs to a group
+    block = -(-extent // p.G)
+    group, rows, valid = block_schedule(offs, extent, block)
+    gc = group.clamp(max=p.G - 1)
+    idx = rows.clamp(max=max(extent - 1, 0))
+    if p.layout == LAYOUT_2D3D:
+        # a_blocks [nb, block, K] @ b[group] [nb, K, N] -> scattered back to rows.
+        a_blocks = torch.where(valid[..., None], a[idx], 0)
+        bias_rows = None if bias is None else bias[gc].unsqueeze(1)
+        out_blocks = _mm(p, a_blocks, b[gc], bias_rows)
+        out = a.new_zeros((extent + 1, p.N), dtype=p.out_dtype)  # row `extent` absorbs padding
+        out.index_copy_(0, rows.flatten(), out_blocks.flatten(0, 1))
+        return out[:extent].contiguous()
+    # LAYOUT_2D2D: partial products over each block of K, summed into their group's slice.
+    a_blocks = torch.where(valid[:, None, :], a[:, idx].permute(1, 0, 2), 0)  # [nb, M, block]
+    b_blocks = torch.where(valid[..., None], b[idx], 0)  # [nb, block, N]
+    partial = torch.matmul(a_blocks.to(p.acc_dtype), b_blocks.to(p.acc_dtype))
+    out = partial.new_zeros((p.G + 1, p.M, p.N)).index_add_(0, group, partial)
+    return out[: p.G].to(p.out_dtype).contiguous()

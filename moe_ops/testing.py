@@ -1,0 +1,84 @@
+"""Test utilities: run any backend's kernel on CPU tensors, and the one tolerance rule.
+
+``run_backend`` is what the property suite runs for every backend, and what a user porting a
+model can call to check a backend on their own shapes without the hardware.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _contract, backends, reference
+from .backends import BackendUnavailable
+
+__all__ = ["backend_names", "run_backend", "tolerance", "assert_close", "BackendUnavailable"]
+
+
+def backend_names() -> list:
+    """The backends this build knows, "reference" first."""
+    return ["reference", *backends.BACKEND_MODULES]
+
+
+def run_backend(name, mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, check_offs=True):
+    """Run backend ``name``'s kernel directly on CPU tensors.
+
+    The kernel runs natively, in its vendor's interpreter or simulator, or on our emulator,
+    whichever is how that backend is verified on this machine (``python -m moe_ops`` says
+    which). Arguments and result follow ``moe_ops.grouped_mm``.
+
+    check_offs=True validates offs values as the op does on CPU; check_offs=False behaves as
+    on an accelerator: values are not checked but clamped to ``cummax(clamp(offs, 0, extent))``.
+
+    Raises:
+        BackendUnavailable: the backend cannot run here (the message names what is missing).
+        NotImplementedError: the backend does not serve this layout or dtype (the op would use
+            the reference for such a call).
+    """
+    p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
+    for arg, t in (("mat_a", mat_a), ("mat_b", mat_b), ("offs", offs), ("bias", bias)):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"run_backend takes CPU tensors; {arg} is on {t.device}")
+    if offs is not None:
+        if check_offs:
+            _contract.check_offs_values(offs, p.extent)
+        else:
+            offs = _contract.sanitize_offs(offs, p.extent)
+    if name == "reference":
+        return reference.compute(p, mat_a, mat_b, offs, bias)
+    if name not in backends.BACKEND_MODULES:
+        raise KeyError(f"unknown backend {name!r}; known: {backend_names()}")
+    return backends.module(name).run_here(p, mat_a, mat_b, offs, bias)
+
+
+def tolerance(ref64: torch.Tensor, ref_same: torch.Tensor, magnitude: torch.Tensor) -> float:
+    """The largest absolute error any implementation may have against ``ref64``.
+
+    Rule (as in flash-attention and quack): 2 x the error of the same computation done the
+    plain way in the inputs' precision (``ref_same``: fp32/fp64 accumulation, one rounding to
+    the output dtype), plus the rounding that a different but equally valid accumulation order
+    may add: one unit of the output dtype on the largest output, and two units of the
+    accumulation dtype on ``magnitude``, the largest sum of |a_ik * b_kj| (+ |bias_j|), i.e. the
+    same computation on absolute values in float64. The second term matters where the plain
+    computation is lucky, e.g. a single output element whose dot product cancels.
+    """
+    if ref64.numel() == 0:
+        return 0.0
+    ref64 = ref64.double()
+    acc_eps = torch.finfo(torch.float64 if ref_same.dtype == torch.float64 else torch.float32).eps
+    same_err = (ref_same.double() - ref64).abs().max().item()
+    out_ulp = torch.finfo(ref_same.dtype).eps * ref64.abs().max().item()
+    return 2.0 * same_err + out_ulp + 2.0 * acc_eps * magnitude.double().abs().max().item()
+
+
+def assert_close(out, ref64, ref_same, magnitude, what: str = "") -> None:
+    """Assert out matches the float64 reference within ``tolerance``; shape and dtype exactly."""
+    prefix = f"{what}: " if what else ""
+    assert out.shape == ref64.shape, f"{prefix}shape {tuple(out.shape)} != {tuple(ref64.shape)}"
+    assert out.dtype == ref_same.dtype, f"{prefix}dtype {out.dtype} != {ref_same.dtype}"
+    out64 = out.detach().cpu().double()
+    assert not out64.isnan().any(), f"{prefix}NaN in output"
+    if out64.numel() == 0:
+        return
+    err = (out64 - ref64.double()).abs().max().item()
+    tol = tolerance(ref64, ref_same, magnitude)
+    assert err <= tol, f"{prefix}max abs error {err:.3e} > tolerance {tol:.3e}"

@@ -1,0 +1,108 @@
+"""Shared fixtures: hypothesis profiles, and the implementations every property test runs over.
+
+Profiles: "ci" (default; derandomized, no example database, no deadline) and "dev" (more
+examples, random), picked with HYPOTHESIS_PROFILE=dev.
+
+Implementations: every backend in ``moe_ops.testing.backend_names()`` run on CPU tensors
+through ``run_backend`` (natively, in its vendor's interpreter, or on our emulator), plus the
+reference's sync-free formulation, plus the op itself on each accelerator present. A backend
+that cannot run here is skipped with a reason that names what is missing; set
+MOE_OPS_REQUIRE_BACKENDS=cpu,cuda,... (as CI does) to turn such a skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import moe_ops
+from moe_ops import _contract, backends, reference
+from moe_ops.testing import run_backend
+from strategies import DTYPES, LAYOUTS
+
+_suppress = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=60,
+                          suppress_health_check=_suppress, print_blob=True)
+settings.register_profile("dev", deadline=None, max_examples=400, suppress_health_check=_suppress,
+                          print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+class Impl:
+    """One way of computing grouped_mm in the test suite.
+
+    cost: "cheap" for native code, "slow" for interpreters and emulators, whose property tests
+    draw fewer examples (a Triton interpreter program costs ~5 ms). layouts / dtypes: what the
+    implementation serves (a backend module may narrow them with LAYOUTS / DTYPES); the property
+    tests draw only those, and a NotImplementedError for them is a failure.
+    """
+
+    def __init__(self, name, fn, cost="cheap", device="cpu", layouts=LAYOUTS, dtypes=DTYPES):
+        self.name, self.fn, self.cost, self.device = name, fn, cost, device
+        self.layouts, self.dtypes = tuple(layouts), tuple(dtypes)
+
+    def __call__(self, mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, check_offs=True):
+        return self.fn(mat_a, mat_b, offs, bias, out_dtype, check_offs)
+
+    def __repr__(self):
+        return self.name
+
+
+def _backend_impl(name):
+    def fn(a, b, offs, bias, out_dtype, check_offs):
+        return run_backend(name, a, b, offs, bias, out_dtype, check_offs=check_offs)
+    return fn
+
+
+def _sync_free(a, b, offs, bias, out_dtype, check_offs):
+    if check_offs and offs is not None:
+        _contract.check_offs_values(offs, _contract.check_args(a, b, offs, bias, out_dtype).extent)
+    return reference.grouped_mm_sync_free(a, b, offs, bias, out_dtype)
+
+
+def _on_device(device):
+    def fn(a, b, offs, bias, out_dtype, check_offs):
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        with moe_ops.checked(check_offs):
+            out = moe_ops.grouped_mm(move(a), move(b), move(offs), move(bias), out_dtype)
+        return out.cpu()
+    return fn
+
+
+def _required() -> set:
+    return {n for n in os.environ.get("MOE_OPS_REQUIRE_BACKENDS", "").split(",") if n}
+
+
+def implementations():
+    """pytest params, one per implementation; unavailable ones carry a skip mark with the reason."""
+    status = {s.name: s for s in backends.statuses()}
+    params = [pytest.param(Impl("reference", _backend_impl("reference")), id="reference"),
+              pytest.param(Impl("reference-sync-free", _sync_free), id="reference-sync-free")]
+    for name in backends.BACKEND_MODULES:
+        s = status[name]
+        marks = [getattr(pytest.mark, f"backend_{name}")]
+        if s.mode is None:
+            marks.append(pytest.mark.skip(reason=f"backend {name} cannot run here: {s.detail}"))
+        cost = "cheap" if s.mode == "native" else "slow"
+        module = backends.module(name) if s.mode is not None else None
+        impl = Impl(name, _backend_impl(name), cost,
+                    layouts=getattr(module, "LAYOUTS", LAYOUTS), dtypes=getattr(module, "DTYPES", DTYPES))
+        params.append(pytest.param(impl, id=name, marks=marks))
+    if torch.cuda.is_available():
+        params.append(pytest.param(Impl("op@cuda", _on_device("cuda"), device="cuda"), id="op@cuda"))
+    return params
+
+
+def pytest_configure(config):
+    for name in backends.BACKEND_MODULES:
+        config.addinivalue_line("markers", f"backend_{name}: tests of the {name} backend")
+    missing = [f"{s.name} ({s.detail})" for s in backends.statuses() if s.name in _required() and s.mode is None]
+    unknown = _required() - set(backends.BACKEND_MODULES)
+    if missing or unknown:
+        raise pytest.UsageError(
+            "MOE_OPS_REQUIRE_BACKENDS names backends that cannot run here: "
+            + "; ".join(missing + [f"{u} (unknown)" for u in sorted(unknown)])
+        )

@@ -1,0 +1,60 @@
+"""An oracle for grouped_mm, written independently of moe_ops.reference.
+
+moe_ops.reference loops over groups; this oracle maps every row / column / K index to its group
+and evaluates one einsum, so the two share no code and no formulation. ``oracle(...,
+exact=True)`` computes in float64 (the ground truth); ``exact=False`` computes the plain way in
+the inputs' precision: accumulation in float32 (float64 for float64), bias added before one
+rounding to the output dtype, which is what the tolerance rule measures against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_ids(offs, extent: int) -> torch.Tensor:
+    """[extent] int64: the group of each index, or -1 for an index in no group.
+
+    Index i belongs to group g if offs[g-1] <= i < offs[g] (offs[-1] read as 0), taking the
+    first such g; offs is assumed valid (non-decreasing, within [0, extent]).
+    """
+    ids = torch.full((extent,), -1, dtype=torch.int64)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        ids[start:end] = g
+        start = max(start, end)
+    return ids
+
+
+def oracle(mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, exact=True):
+    dtype = mat_a.dtype
+    out_dtype = out_dtype or dtype
+    acc = torch.float64 if exact or dtype == torch.float64 else torch.float32
+    a, b = mat_a.detach().cpu().to(acc), mat_b.detach().cpu().to(acc)
+    bias = None if bias is None else bias.detach().cpu().to(acc)
+    if a.dim() == 3 and b.dim() == 3:
+        out = torch.einsum("gmk,gkn->gmn", a, b)
+        if bias is not None:
+            out = out + bias[:, None, :]
+    elif a.dim() == 2 and b.dim() == 3:
+        gid = group_ids(offs, a.shape[0])
+        member = (gid >= 0).to(acc)
+        g = gid.clamp(min=0)
+        out = torch.einsum("mk,mkn->mn", a, b[g]) * member[:, None]
+        if bias is not None:
+            out = out + bias[g] * member[:, None]
+    elif a.dim() == 2 and b.dim() == 2:
+        gid = group_ids(offs, a.shape[1])
+        onehot = (gid[None, :] == torch.arange(offs.shape[0])[:, None]).to(acc)  # [G, K]
+        out = torch.einsum("mk,gk,kn->gmn", a, onehot, b)
+    else:
+        gid = group_ids(offs, b.shape[1])
+        member = (gid >= 0).to(acc)
+        out = torch.einsum("nmk,kn->mn", a[gid.clamp(min=0)], b) * member[None, :]
+    return out if exact else out.to(out_dtype)
+
+
+def magnitude(mat_a, mat_b, offs=None, bias=None):
+    """The float64 oracle on absolute values: sum of |a_ik * b_kj| (+ |bias_j|) per output."""
+    absolute = lambda t: None if t is None else t.detach().cpu().double().abs()  # noqa: E731
+    return oracle(absolute(mat_a), absolute(mat_b), offs, absolute(bias), exact=True)

@@ -1,0 +1,101 @@
+"""Hypothesis strategies for grouped_mm problems, shared by every backend's tests.
+
+A ``Case`` is drawn by hypothesis (layout, sizes, partition, dtype, strides, bias, out_dtype);
+its tensors are built from a seed, so shrinking works on the structure and not on float lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from hypothesis import strategies as st
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+LAYOUTS = ("2d3d", "2d2d", "3d3d", "3d2d")
+# How an operand is laid out in memory: contiguous, a transposed view of the other order (e.g.
+# mat_b given as a [G, N, K] tensor viewed as [G, K, N]), or every other element of a larger one.
+STRIDES = ("contiguous", "transposed", "strided")
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: str
+    G: int
+    M: int
+    K: int
+    N: int
+    dtype: torch.dtype
+    offs: Optional[tuple]
+    offs_dtype: torch.dtype
+    stride_a: str
+    stride_b: str
+    bias: bool
+    out_dtype: Optional[torch.dtype]
+    seed: int
+
+    @property
+    def extent(self):
+        return {"2d3d": self.M, "2d2d": self.K, "3d2d": self.N, "3d3d": None}[self.layout]
+
+
+def _operand(shape, dtype, stride, gen):
+    """A tensor of `shape` with values N(0, 1) rounded to dtype, laid out as `stride` says."""
+    if stride == "transposed" and len(shape) >= 2:
+        store = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=gen, dtype=torch.float64)
+        return store.to(dtype).transpose(-1, -2)
+    if stride == "strided":
+        store = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen, dtype=torch.float64)
+        return store.to(dtype)[..., ::2]
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def build(case: Case):
+    """(mat_a, mat_b, offs, bias, out_dtype) for a case, on CPU."""
+    gen = torch.Generator().manual_seed(case.seed)
+    G, M, K, N = case.G, case.M, case.K, case.N
+    shape_a = (M, K) if case.layout in ("2d3d", "2d2d") else (G, M, K)
+    shape_b = (G, K, N) if case.layout in ("2d3d", "3d3d") else (K, N)
+    a = _operand(shape_a, case.dtype, case.stride_a, gen)
+    b = _operand(shape_b, case.dtype, case.stride_b, gen)
+    offs = None if case.offs is None else torch.tensor(case.offs, dtype=case.offs_dtype)
+    bias = None
+    if case.bias:
+        bias = torch.randn(G, N, generator=gen, dtype=torch.float64).to(case.dtype)
+    return a, b, offs, bias, case.out_dtype
+
+
+@st.composite
+def partitions(draw, G: int, extent: int):
+    """G cumulative group ends in [0, extent], drawn with replacement so that empty groups occur;
+    the last end is the extent about half of the time and below it otherwise."""
+    ends = sorted(draw(st.lists(st.integers(0, extent), min_size=G, max_size=G)))
+    if draw(st.booleans()):
+        ends[-1] = extent
+    return tuple(ends)
+
+
+@st.composite
+def cases(draw, layouts=LAYOUTS, dtypes=DTYPES, max_m=64, max_k=48, max_n=48, max_g=8,
+          allow_big_g=True, allow_bias=True, allow_out_dtype=True):
+    """A random valid grouped_mm problem. G is 1..max_g, or 256 now and then."""
+    layout = draw(st.sampled_from(layouts))
+    g_choices = st.integers(1, max_g)
+    G = draw(st.one_of(g_choices, st.just(256)) if allow_big_g else g_choices)
+    M = draw(st.integers(0, max_m))
+    K = draw(st.integers(0, max_k))
+    N = draw(st.integers(1, max_n))
+    dtype = draw(st.sampled_from(dtypes))
+    extent = {"2d3d": M, "2d2d": K, "3d2d": N, "3d3d": None}[layout]
+    offs = None if extent is None else draw(partitions(G, extent))
+    bias = allow_bias and layout in ("2d3d", "3d3d") and draw(st.booleans())
+    out_dtype = None
+    if allow_out_dtype and draw(st.booleans()):
+        out_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16, torch.float32) else dtype
+    return Case(
+        layout=layout, G=G, M=M, K=K, N=N, dtype=dtype, offs=offs,
+        offs_dtype=draw(st.sampled_from((torch.int32, torch.int64))),
+        stride_a=draw(st.sampled_from(STRIDES)), stride_b=draw(st.sampled_from(STRIDES)),
+        bias=bias, out_dtype=out_dtype, seed=draw(st.integers(0, 2**31 - 1)),
+    )

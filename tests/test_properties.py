@@ -1,0 +1,112 @@
+"""The property suite every backend runs (conftest.implementations()).
+
+Categories:
+* forward vs the independent float64 oracle within the one tolerance rule, over random layouts,
+  shapes (M = 0, K = 0, N = 1, G = 1 and G = 256 included), partitions with empty groups and
+  offs[-1] below the extent, all dtypes, transposed and strided operands, bias and out_dtype;
+* exact zeros: rows / columns past offs[-1] and the slices of empty 2Dx2D groups;
+* accelerator semantics for invalid offs: values are clamped, never read out of bounds;
+* named edge cases that the derandomized CI profile must always contain.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import implementations
+from oracle import group_ids, magnitude, oracle
+from moe_ops.testing import assert_close
+from strategies import Case, build, cases
+
+pytestmark = pytest.mark.parametrize("impl", implementations())
+
+
+def _budget(impl) -> int:
+    return max(10, settings().max_examples // 3) if impl.cost == "slow" else settings().max_examples
+
+
+def check_case(impl, case: Case, *, check_offs=True):
+    a, b, offs, bias, out_dtype = build(case)
+    out = impl(a, b, offs, bias, out_dtype, check_offs=check_offs)
+    if offs is not None and not check_offs:
+        offs = torch.cummax(offs.clamp(0, case.extent), 0).values  # what accelerators compute
+    ref64 = oracle(a, b, offs, bias, out_dtype, exact=True)
+    ref_same = oracle(a, b, offs, bias, out_dtype, exact=False)
+    assert_close(out, ref64, ref_same, magnitude(a, b, offs, bias), what=f"{impl.name} {case}")
+    assert out.is_contiguous()
+    _check_exact_zeros(out, case, offs)
+
+
+def _check_exact_zeros(out, case, offs):
+    if offs is None:
+        return
+    gid = group_ids(offs, case.extent)
+    if case.layout == "2d3d":
+        outside = out[gid < 0]
+    elif case.layout == "3d2d":
+        outside = out[:, gid < 0]
+    else:  # 2d2d: the slices of empty groups
+        sizes = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1).to(torch.int64))
+        outside = out[sizes == 0]
+    assert torch.count_nonzero(outside) == 0, "rows/columns outside every group must be exactly zero"
+
+
+def test_matches_oracle(impl):
+    @settings(max_examples=_budget(impl))
+    @given(case=cases(layouts=impl.layouts, dtypes=impl.dtypes))
+    def run(case):
+        check_case(impl, case)
+
+    run()
+
+
+def test_invalid_offs_are_clamped_like_on_accelerators(impl):
+    """check_offs=False: no error, the result for cummax(clamp(offs, 0, extent))."""
+    ragged = tuple(lay for lay in impl.layouts if lay != "3d3d")
+    if not ragged:
+        pytest.skip(f"{impl.name} serves no layout with offs")
+
+    @settings(max_examples=max(10, _budget(impl) // 2))
+    @given(case=cases(layouts=ragged, dtypes=impl.dtypes, max_g=6, allow_big_g=False), data=st.data())
+    def run(case, data):
+        extent = case.extent
+        garbage = data.draw(st.lists(st.integers(-3, extent + 3), min_size=case.G, max_size=case.G))
+        check_case(impl, _replace(case, offs=tuple(garbage)), check_offs=False)
+
+    run()
+
+
+def _replace(case, **kw):
+    return Case(**{**case.__dict__, **kw})
+
+
+def _named_cases():
+    f32, bf16 = torch.float32, torch.bfloat16
+    base = dict(offs_dtype=torch.int32, stride_a="contiguous", stride_b="contiguous", bias=False,
+                out_dtype=None, seed=7)
+    return {
+        "M=0": Case("2d3d", 3, 0, 8, 5, f32, (0, 0, 0), **base),
+        "K=0 with bias": Case("2d3d", 3, 9, 0, 5, f32, (2, 2, 9), **{**base, "bias": True}),
+        "K=0 2d2d": Case("2d2d", 3, 4, 0, 5, f32, (0, 0, 0), **base),
+        "N=1": Case("2d3d", 2, 17, 8, 1, bf16, (5, 17), **base),
+        "G=1": Case("2d3d", 1, 33, 16, 8, f32, (33,), **base),
+        "G=256 sparse": Case("2d3d", 256, 40, 8, 8, bf16, tuple(min(40, g // 5) for g in range(256)), **base),
+        "all rows to one expert": Case("2d3d", 4, 50, 16, 8, f32, (0, 0, 50, 50), **base),
+        "offs[-1] < M": Case("2d3d", 3, 30, 16, 8, torch.float16, (4, 10, 21), **base),
+        "transposed mat_b": Case("2d3d", 3, 30, 16, 8, bf16, (4, 10, 30), **{**base, "stride_b": "transposed"}),
+        "2d2d empty experts": Case("2d2d", 4, 12, 40, 8, bf16, (10, 10, 30, 30), **{**base, "out_dtype": f32}),
+        "3d3d bias": Case("3d3d", 3, 10, 16, 8, f32, None, **{**base, "bias": True}),
+        "3d2d trailing cols": Case("3d2d", 3, 10, 16, 20, f32, (5, 5, 12), **base),
+        "fp64": Case("2d3d", 3, 20, 16, 8, torch.float64, (5, 5, 20), **{**base, "bias": True}),
+    }
+
+
+@pytest.mark.parametrize("name", list(_named_cases()))
+def test_named_edge_case(impl, name):
+    case = _named_cases()[name]
+    if case.layout not in impl.layouts or case.dtype not in impl.dtypes:
+        pytest.skip(f"{impl.name} does not serve {case.layout} / {case.dtype}")
+    check_case(impl, case)
