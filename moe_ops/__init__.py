@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference
+from . import _contract, reference
 from ._contract import checked
 from ._op import kernel_counts, reset_kernel_counts
 from .backends import load_all as _load_backends
@@ -69,6 +69,7 @@ def grouped_mm(
     Returns:
         [M, N] for 2Dx3D and 3Dx2D, [G, M, N] for 2Dx2D and 3Dx3D, in out_dtype.
     """
+    _contract.check_types(mat_a, mat_b, offs, bias, out_dtype)
     return torch.ops.moe.grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
 
 

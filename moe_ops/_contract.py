@@ -59,11 +59,11 @@ def _describe(t: torch.Tensor) -> str:
     return f"{t.dim()}-D tensor of shape {tuple(t.shape)}"
 
 
-def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
-    """Validate one call's metadata (never its values) and describe the problem.
+def check_types(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> None:
+    """TypeError unless the arguments have the schema's Python types.
 
-    Raises TypeError for wrong types and dtypes, ValueError for wrong ranks, shapes, missing or
-    forbidden arguments and mismatched devices. Every message names the argument.
+    The dispatcher already rejects these for ``torch.ops.moe.grouped_mm`` (with a RuntimeError);
+    ``moe_ops.grouped_mm`` calls this first so Python callers get a TypeError naming the argument.
     """
     for name, t in (("mat_a", mat_a), ("mat_b", mat_b)):
         if not isinstance(t, torch.Tensor):
@@ -72,7 +72,17 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
         raise TypeError(f"offs must be a torch.Tensor or None, got {type(offs).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
 
+
+def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
+    """Validate one call's metadata (never its values) and describe the problem.
+
+    Raises TypeError for wrong types and dtypes, ValueError for wrong ranks, shapes, missing or
+    forbidden arguments and mismatched devices. Every message names the argument.
+    """
+    check_types(mat_a, mat_b, offs, bias, out_dtype)
     if mat_a.dim() not in (2, 3):
         raise ValueError(f"mat_a must be 2-D [M, K] or 3-D [G, M, K], got a {_describe(mat_a)}")
     if mat_b.dim() not in (2, 3):
@@ -96,8 +106,6 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
 
     if out_dtype is None:
         out_dtype = dtype
-    elif not isinstance(out_dtype, torch.dtype):
-        raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
     elif out_dtype != dtype and not (
         out_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)
     ):

@@ -30,8 +30,9 @@ def oracle(mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, exact=True):
     dtype = mat_a.dtype
     out_dtype = out_dtype or dtype
     acc = torch.float64 if exact or dtype == torch.float64 else torch.float32
-    a, b = mat_a.detach().cpu().to(acc), mat_b.detach().cpu().to(acc)
-    bias = None if bias is None else bias.detach().cpu().to(acc)
+    # No detach: the float64 oracle is differentiable, so gradients have an oracle too.
+    a, b = mat_a.cpu().to(acc), mat_b.cpu().to(acc)
+    bias = None if bias is None else bias.cpu().to(acc)
     if a.dim() == 3 and b.dim() == 3:
         out = torch.einsum("gmk,gkn->gmn", a, b)
         if bias is not None:
@@ -51,7 +52,7 @@ def oracle(mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, exact=True):
         gid = group_ids(offs, b.shape[1])
         member = (gid >= 0).to(acc)
         out = torch.einsum("nmk,kn->mn", a[gid.clamp(min=0)], b) * member[None, :]
-    return out if exact else out.to(out_dtype)
+    return out if exact else out.detach().to(out_dtype)
 
 
 def magnitude(mat_a, mat_b, offs=None, bias=None):

@@ -1,0 +1,122 @@
+"""Autograd: gradients of every layout against finite differences and the float64 oracle.
+
+Categories:
+* gradcheck / gradgradcheck in float64 (with bias, empty groups, trailing rows, transposed mat_b);
+* gradients equal the oracle's autograd gradients (independent formulation);
+* exactly zero gradients for empty groups and for rows / columns outside every group;
+* dtypes: bf16 inputs with out_dtype=float32 give bf16 gradients; a stride-0 incoming
+  gradient (``y.sum().backward()``, which torch._grouped_mm rejects) works;
+* the backward runs the op itself (its kernel calls are counted).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_ops
+from oracle import oracle
+from moe_ops.testing import assert_close
+
+f64 = torch.float64
+
+
+def _problem(layout, dtype=f64, bias=False, seed=0):
+    """Small problems with an empty group, a trailing row/column and a transposed mat_b."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=f64).to(dtype)  # noqa: E731
+    G, M, K, N = 3, 7, 5, 4
+    if layout == "2d3d":
+        a, b, offs = r(M, K), r(G, N, K).transpose(1, 2), torch.tensor([2, 2, 6])
+    elif layout == "2d2d":
+        a, b, offs = r(M, K), r(K, N), torch.tensor([0, 3, 4])
+    elif layout == "3d3d":
+        a, b, offs = r(G, M, K), r(G, K, N), None
+    else:
+        a, b, offs = r(G, M, K), r(K, N), torch.tensor([1, 1, 3])
+    bias_t = r(G, N) if bias else None
+    leaves = [t.detach().requires_grad_() for t in (a, b)] + ([bias_t.requires_grad_()] if bias else [])
+    return leaves, offs
+
+
+CASES = [("2d3d", False), ("2d3d", True), ("2d2d", False), ("3d3d", False), ("3d3d", True), ("3d2d", False)]
+
+
+def _fn(offs, has_bias):
+    def f(a, b, *bias):
+        return moe_ops.grouped_mm(a, b, offs, bias[0] if has_bias else None)
+    return f
+
+
+@pytest.mark.parametrize("layout,bias", CASES)
+def test_gradcheck(layout, bias):
+    leaves, offs = _problem(layout, bias=bias)
+    assert torch.autograd.gradcheck(_fn(offs, bias), leaves)
+
+
+@pytest.mark.parametrize("layout,bias", [("2d3d", True), ("2d2d", False), ("3d2d", False)])
+def test_gradgradcheck(layout, bias):
+    leaves, offs = _problem(layout, bias=bias)
+    assert torch.autograd.gradgradcheck(_fn(offs, bias), leaves)
+
+
+@pytest.mark.parametrize("layout,bias", CASES)
+def test_gradients_match_oracle(layout, bias):
+    leaves, offs = _problem(layout, bias=bias, seed=1)
+    grad = torch.randn(_fn(offs, bias)(*leaves).shape, dtype=f64)
+    got = torch.autograd.grad(_fn(offs, bias)(*leaves), leaves, grad)
+    want = torch.autograd.grad(oracle(*leaves[:2], offs, leaves[2] if bias else None), leaves, grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_empty_groups_get_exactly_zero_gradients():
+    (a, b, bias), offs = _problem("2d3d", bias=True)  # group 1 is empty, row 6 is past offs[-1]
+    (moe_ops.grouped_mm(a, b, offs, bias) * 1.5).sum().backward()
+    assert torch.count_nonzero(b.grad[1]) == 0 and torch.count_nonzero(bias.grad[1]) == 0
+    assert torch.count_nonzero(a.grad[6:]) == 0
+    assert torch.count_nonzero(b.grad[0]) > 0 and torch.count_nonzero(bias.grad[2]) > 0
+
+    (a, b), offs = _problem("2d2d")  # group 0 is empty, K index 4 is past offs[-1]
+    moe_ops.grouped_mm(a, b, offs).pow(2).sum().backward()
+    assert torch.count_nonzero(a.grad[:, 4:]) == 0 and torch.count_nonzero(b.grad[4:]) == 0
+
+    (a, b), offs = _problem("3d2d")  # group 1 is empty, column 3 is past offs[-1]
+    moe_ops.grouped_mm(a, b, offs).pow(2).sum().backward()
+    assert torch.count_nonzero(a.grad[1]) == 0 and torch.count_nonzero(b.grad[:, 3:]) == 0
+
+
+@pytest.mark.parametrize("layout,bias", CASES)
+def test_bf16_with_fp32_output(layout, bias):
+    leaves, offs = _problem(layout, dtype=torch.bfloat16, bias=bias)
+    out = moe_ops.grouped_mm(*leaves[:2], offs, leaves[2] if bias else None, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    out.sum().backward()  # a stride-0 incoming gradient
+    for leaf in leaves:
+        assert leaf.grad.dtype == torch.bfloat16 and leaf.grad.shape == leaf.shape
+    # The incoming gradient (ones) is exact in bf16, so the plain bf16 computation of each
+    # gradient is the float64 one rounded once; magnitudes come from the oracle on |inputs|.
+    def oracle_grads(transform):
+        xs = [transform(leaf.detach().double()).requires_grad_() for leaf in leaves]
+        return torch.autograd.grad(oracle(*xs[:2], offs, xs[2] if bias else None).sum(), xs)
+
+    ref, mag = oracle_grads(lambda x: x), oracle_grads(torch.abs)
+    for leaf, r, m in zip(leaves, ref, mag):
+        assert_close(leaf.grad, r, r.to(torch.bfloat16), m, what=f"grad of {tuple(leaf.shape)}")
+
+
+def test_backward_calls_the_op():
+    (a, b, bias), offs = _problem("2d3d", bias=True)
+    out = moe_ops.grouped_mm(a, b, offs, bias)
+    moe_ops.reset_kernel_counts()
+    out.sum().backward()
+    assert sum(moe_ops.kernel_counts().values()) == 3  # d mat_a, d mat_b and d bias
+
+
+def test_only_requested_gradients_are_computed():
+    (a, b), offs = _problem("2d3d")
+    b.requires_grad_(False)
+    out = moe_ops.grouped_mm(a, b, offs)
+    moe_ops.reset_kernel_counts()
+    out.sum().backward()
+    assert sum(moe_ops.kernel_counts().values()) == 1 and b.grad is None

@@ -1,0 +1,133 @@
+"""Registration: opcheck per layout and dtype, torch.compile, and the dispatch table.
+
+Categories:
+* torch.library.opcheck (schema, fake kernel, autograd registration, AOT dispatch with dynamic
+  shapes) for every layout x dtype, with and without grad;
+* torch.compile(fullgraph=True), static and dynamic: no graph break, correct forward and
+  backward, the AOT forward and backward graphs call moe.grouped_mm (no decomposition), and
+  the device kernel registered for CPU is the one that runs;
+* which dispatch keys have kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import moe_ops
+from moe_ops import _op, backends
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _sample(layout, dtype, requires_grad, bias=False):
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype).requires_grad_(requires_grad)  # noqa: E731
+    G, M, K, N = 3, 10, 8, 6
+    if layout == "2d3d":
+        return r(M, K), r(G, K, N), torch.tensor([3, 3, 9], dtype=torch.int32), r(G, N) if bias else None
+    if layout == "2d2d":
+        return r(M, K), r(K, N), torch.tensor([2, 2, 7]), None
+    if layout == "3d3d":
+        return r(G, M, K), r(G, K, N), None, r(G, N) if bias else None
+    return r(G, M, K), r(K, N), torch.tensor([1, 4, 4], dtype=torch.int32), None
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["nograd", "grad"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d3d", "3d2d"])
+def test_opcheck(layout, dtype, requires_grad):
+    a, b, offs, bias = _sample(layout, dtype, requires_grad, bias=layout in ("2d3d", "3d3d"))
+    torch.library.opcheck(torch.ops.moe.grouped_mm.default, (a, b, offs, bias, None))
+    if dtype in (torch.bfloat16, torch.float16):
+        torch.library.opcheck(torch.ops.moe.grouped_mm.default, (a, b, offs, bias, torch.float32))
+
+
+def _moe_like(x, w, offs, bias):
+    h = moe_ops.grouped_mm(x, w, offs, bias)
+    return moe_ops.grouped_mm(torch.relu(h), w.transpose(1, 2), offs).sum()
+
+
+class GraphRecorder:
+    """An aot_autograd backend that keeps the forward and backward graphs it was given."""
+
+    def __init__(self):
+        self.graphs = []
+        self.backend = aot_autograd(fw_compiler=self._keep, bw_compiler=self._keep)
+
+    def _keep(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def targets(self, i):
+        return {n.target for n in self.graphs[i].graph.nodes if n.op == "call_function"}
+
+
+@pytest.fixture
+def cpu_kernel():
+    """The name of the kernel that serves CPU tensors: the cpu backend's when it is registered,
+    else one this test registers on the CPU key for its duration, so the test shows that a
+    *device* kernel (not the default one) runs under torch.compile."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key("moe::grouped_mm", "CPU"):
+        moe_ops.reset_kernel_counts()
+        moe_ops.grouped_mm(*_sample("2d3d", torch.float32, False)[:3])
+        (name,) = moe_ops.kernel_counts()
+        yield name
+        return
+    with torch.library._scoped_library("moe", "IMPL") as lib:
+        lib.impl("grouped_mm", _op.kernel_entry("test:cpu", _op._reference_impl), "CPU")
+        yield "test:cpu"
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compile_fullgraph_calls_the_op_and_the_device_kernel(dynamic, cpu_kernel):
+    torch._dynamo.reset()
+    x = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(3, 8, 8, requires_grad=True)
+    bias = torch.randn(3, 8, requires_grad=True)
+    offs = torch.tensor([4, 4, 11])
+    eager = _moe_like(x, w, offs, bias)
+    want = torch.autograd.grad(eager, (x, w, bias))
+
+    rec = GraphRecorder()
+    compiled = torch.compile(_moe_like, backend=rec.backend, fullgraph=True, dynamic=dynamic)
+    moe_ops.reset_kernel_counts()
+    got_out = compiled(x, w, offs, bias)
+    got = torch.autograd.grad(got_out, (x, w, bias))
+
+    torch.testing.assert_close(got_out, eager)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
+    assert len(rec.graphs) == 2  # one forward, one backward graph: no graph break
+    op = torch.ops.moe.grouped_mm.default
+    assert op in rec.targets(0) and op in rec.targets(1)
+    assert torch.ops.aten.mm.default not in rec.targets(0) | rec.targets(1), "the op was decomposed"
+    counts = moe_ops.kernel_counts()
+    assert counts.get(cpu_kernel, 0) >= 2 + 4, counts  # 2 forward calls, >= 4 backward calls
+
+
+def test_compile_inductor_dynamic_shapes():
+    torch._dynamo.reset()
+    compiled = torch.compile(_moe_like, fullgraph=True, dynamic=True)
+    for m, offs in ((12, [4, 4, 11]), (20, [0, 13, 20])):
+        x = torch.randn(m, 8, requires_grad=True)
+        w = torch.randn(3, 8, 8, requires_grad=True)
+        bias = torch.randn(3, 8)
+        offs = torch.tensor(offs)
+        got = compiled(x, w, offs, bias)
+        torch.testing.assert_close(got, _moe_like(x, w, offs, bias))
+        gx, gw = torch.autograd.grad(got, (x, w))
+        ex, ew = torch.autograd.grad(_moe_like(x, w, offs, bias), (x, w))
+        torch.testing.assert_close(gx, ex)
+        torch.testing.assert_close(gw, ew)
+
+
+def test_dispatch_table():
+    has = lambda key: torch._C._dispatch_has_kernel_for_dispatch_key("moe::grouped_mm", key)  # noqa: E731
+    assert has("CompositeExplicitAutograd") and has("Autograd") and has("Meta")
+    assert not has("CompositeImplicitAutograd"), "an implicit kernel would be decomposed by compile"
+    registered = {key for s in backends.statuses() for key in s.keys}
+    for key in ("CUDA", "XLA", "PrivateUse1"):
+        assert has(key) == (key in registered), key
