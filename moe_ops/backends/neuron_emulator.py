@@ -654,11 +654,13 @@ def run_kernel(kernel, args, kwargs=None, *, activate):
     (ints, bools, None) passes through as a compile-time constant. activate: a context-manager
     factory that points the kernel's ``nl`` / ``nisa`` at ``language`` / ``isa`` (see
     ``neuron_nki.use``). outputs: an (array, nki dtype name) pair per returned tensor (bf16 as
-    float32 arrays), a tuple of them when the kernel returns a tuple.
+    float32 arrays), a tuple of them when the kernel returns a tuple, None when it returns None.
     """
     with _running() as run, activate(SimpleNamespace(language=language, isa=isa)):
         hbm_args = [hbm_tensor(*a) if isinstance(a, tuple) else a for a in args]
         result = kernel(*hbm_args, **(kwargs or {}))
+        if result is None:
+            return None, dict(run.counts)
         outs = result if isinstance(result, tuple) else (result,)
         arrays = []
         for t in outs:
