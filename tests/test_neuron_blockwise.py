@@ -181,9 +181,11 @@ def test_no_per_block_weight_copies():
 
 
 def test_choose_block_is_static_and_in_range():
-    for M, G, K, dtype, expected in [(64, 8, 64, torch.bfloat16, 128), (8192, 8, 4096, torch.bfloat16, 1024),
-                                     (8192, 8, 8192, torch.bfloat16, 512), (8192, 8, 8192, torch.float32, 256),
-                                     (8192, 64, 4096, torch.bfloat16, 128)]:
+    for M, G, K, dtype, expected in [(64, 8, 64, torch.bfloat16, 128), (8192, 8, 4096, torch.bfloat16, 256),
+                                     (65536, 8, 4096, torch.bfloat16, 1024), (65536, 8, 8192, torch.bfloat16, 512),
+                                     (65536, 8, 8192, torch.float32, 256), (8192, 64, 4096, torch.bfloat16, 128)]:
         a, b = torch.empty(M, K, device="meta", dtype=dtype), torch.empty(G, K, 16, device="meta", dtype=dtype)
         p = _contract.check_args(a, b, torch.empty(G, dtype=torch.int64, device="meta"))
-        assert neuron_blockwise.choose_block(p) == expected, (M, G, K, dtype)
+        block = neuron_blockwise.choose_block(p)
+        assert block == expected, (M, G, K, dtype, block)
+        assert block == 128 or (G - 1) * block <= M / 4  # at most a quarter of padding rows

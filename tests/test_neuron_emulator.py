@@ -285,3 +285,16 @@ def test_kernel_fails_when_told_a_larger_tile_than_the_hardware(monkeypatch):
     monkeypatch.setattr(emu.language.tile_size, "pmax", 256)
     with pytest.raises(emu.EmulatorError, match="partition dimension 256 > 128"):
         neuron.run_on_emulator(p, a, b, offs, None, 256)
+
+
+def test_forward_kernel_fits_sbuf_at_large_k_only_with_narrowed_panels():
+    """K = 8192 fp32, 256-row blocks: the transposed rows take 64 KiB per partition, so the weight
+    panel must narrow to 256 columns (64 KiB); the full 512-column panel (128 KiB) overflows SBUF."""
+    gen = torch.Generator().manual_seed(0)
+    a, b, offs = torch.randn(256, 8192, generator=gen), torch.randn(2, 8192, 512, generator=gen), torch.tensor([100, 256])
+    p = _contract.check_args(a, b, offs)
+    assert neuron.panel_width(8192, 4) == 256
+    out, _ = neuron.run_on_emulator(p, a, b, offs, None, 256)
+    assert out.shape == (256, 512)
+    with pytest.raises(emu.EmulatorError, match="sbuf over capacity"):
+        neuron.run_on_emulator(p, a, b, offs, None, 256, n_panel=512)

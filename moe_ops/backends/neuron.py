@@ -90,6 +90,25 @@ def _check_served(p: Problem) -> None:
 
 
 # ---------------------------------------------------------------- NKI kernel arguments
+def _itemsize(p: Problem) -> int:
+    return torch.empty((), dtype=p.dtype).element_size()
+
+
+def nki_fits(p: Problem) -> bool:
+    """Whether the NKI kernels take this problem: the forward keeps a block's transposed rows
+    (K elements per partition per 128-row tile) within its SBUF budget, so K x itemsize <= 64 KiB
+    (K <= 32768 in bf16, 16384 in fp32). The weight gradient streams its contraction dimension
+    and tiles M and N in passes: any size."""
+    return p.layout != LAYOUT_2D3D or p.K * _itemsize(p) <= neuron_blockwise.ROWS_SBUF_BUDGET
+
+
+def panel_width(K: int, itemsize: int) -> int:
+    """Output columns per weight panel of the forward kernel: up to 512 (one fp32 PSUM bank), a
+    multiple of 128, with the panel's K / 128 tiles within 64 KiB of SBUF per partition."""
+    n_kt = max(1, -(-K // 128))
+    return max(128, min(512, neuron_blockwise.ROWS_SBUF_BUDGET // (n_kt * itemsize) // 128 * 128))
+
+
 def _kernel_call(p: Problem, a, b, offs, bias, block: Optional[int] = None):
     """(kernel, positional args, static kwargs) for the NKI kernel of a served problem, or None
     when the result is empty or zero by shape alone (M, N or the contraction is 0 in 2D x 2D;
@@ -106,7 +125,8 @@ def _kernel_call(p: Problem, a, b, offs, bias, block: Optional[int] = None):
         w = b.transpose(1, 2) if w_transposed else b.contiguous()
         args = (a.contiguous(), w, None if bias is None else bias.contiguous(), s.group, s.gather, s.scatter,
                 None if bias is None else s.valid.to(p.dtype))
-        return neuron_nki.block_mm_2d3d, args, dict(block=block, w_transposed=w_transposed, out_fp32=out_fp32)
+        return neuron_nki.block_mm_2d3d, args, dict(block=block, w_transposed=w_transposed, out_fp32=out_fp32,
+                                                    n_panel=panel_width(p.K, _itemsize(p)))
     if p.K == 0 or p.M == 0 or p.N == 0:
         return None
     s = neuron_blockwise.schedule_2d2d(offs, p.K, block)
@@ -128,6 +148,8 @@ def run_on_emulator(p: Problem, a, b, offs, bias, block: Optional[int] = None, *
     Returns (result, instruction counts); counts are empty when no kernel was needed.
     """
     _check_served(p)
+    if not nki_fits(p):
+        raise NotImplementedError(f"K = {p.K} is too wide for the NKI forward kernel's SBUF budget")
     call = _kernel_call(p, a, b, offs, bias, block)
     if call is None:
         return _by_shape(p, a), {}
@@ -138,6 +160,8 @@ def run_on_emulator(p: Problem, a, b, offs, bias, block: Optional[int] = None, *
 def run_on_simulator(p: Problem, a, b, offs, bias, block: Optional[int] = None, **static):
     """The same on AWS's nki.simulate (needs the real nki package); returns the result."""
     _check_served(p)
+    if not nki_fits(p):
+        raise NotImplementedError(f"K = {p.K} is too wide for the NKI forward kernel's SBUF budget")
     call = _kernel_call(p, a, b, offs, bias, block)
     if call is None:
         return _by_shape(p, a)
@@ -177,7 +201,7 @@ def _jit(kernel):
 def xla_impl(p: Problem, a, b, offs, bias):
     """moe::grouped_mm on a Neuron XLA device: nki.jit kernels where nki imports, else block-wise PyTorch."""
     _check_served(p)
-    if nki_status()[0]:
+    if nki_status()[0] and nki_fits(p):
         note_kernel("xla:neuron-nki")
         call = _kernel_call(p, a, b, offs, bias)
         if call is None:
@@ -197,9 +221,9 @@ def _torchneuron_op(kernel):
         @tnx.nki_op("moe_neuron::block_mm_2d3d", mutates_args={})
         def op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], group: torch.Tensor,
                gather: torch.Tensor, scatter: torch.Tensor, valid: Optional[torch.Tensor], block: int,
-               w_transposed: bool, out_fp32: bool) -> torch.Tensor:
+               w_transposed: bool, out_fp32: bool, n_panel: int) -> torch.Tensor:
             return wrapped(x, w, bias, group, gather, scatter, valid, block=block, w_transposed=w_transposed,
-                           out_fp32=out_fp32)
+                           out_fp32=out_fp32, n_panel=n_panel)
     else:
         @tnx.nki_op("moe_neuron::block_mm_2d2d", mutates_args={})
         def op(xt: torch.Tensor, dy: torch.Tensor, gather: torch.Tensor, keep: torch.Tensor, store: torch.Tensor,
@@ -212,7 +236,7 @@ def privateuse1_impl(p: Problem, a, b, offs, bias):
     """moe::grouped_mm on TorchNeuron's "neuron" device: NKI kernels through nki_op where the SDK
     imports, else block-wise PyTorch on the device."""
     _check_served(p)
-    if _torch_neuronx_nki()[0]:
+    if _torch_neuronx_nki()[0] and nki_fits(p):
         note_kernel("neuron:nki")
         call = _kernel_call(p, a, b, offs, bias)
         if call is None:

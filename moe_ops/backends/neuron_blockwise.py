@@ -42,27 +42,35 @@ from ..reference import block_schedule
 
 # Trainium block sizes (rows per block): AWS's MoE kernels use 128..1024.
 MIN_BLOCK, MAX_BLOCK = 128, 1024
-# Per-partition SBUF the forward kernel may spend on one block's transposed rows (of 192 KiB):
-# block / 128 row tiles x K elements each. Keeps room for the [K, 512] weight panel beside it.
-_ROWS_SBUF_BUDGET = 64 * 1024
+# Per-partition SBUF (of 192 KiB) the kernels may spend on one block's gathered rows: block / 128
+# row tiles x (K elements in the forward; M and N pass widths in the weight gradient). Leaves room
+# for the forward's [K, 512] weight panel or the weight gradient's fp32 accumulators beside them.
+ROWS_SBUF_BUDGET = 64 * 1024
 
 
 def choose_block(p: Problem) -> int:
     """Rows per block for a problem (static: depends on shapes and dtype only).
 
-    The largest power of two in [128, 1024] that is at most the average group size (so padding
-    adds at most ~G x block rows, about the real row count) and whose transposed rows fit the
-    forward kernel's SBUF budget. Larger blocks reload each group's weights less often: a
-    block does 2 x block FLOPs per weight byte it loads, and Trainium2's Tensor Engine needs
-    ~200 FLOPs per HBM byte to stay busy, so 256 and up is where blocks stop being
-    bandwidth-bound.
+    Every one of the ceil(extent / block) + G - 1 blocks runs, whatever the routing, so the
+    FLOPs are (extent + (G - 1) x block) / extent times the grouped FLOPs. The rule: the largest
+    power of two in [128, 1024] that keeps that padding at most a quarter of the rows and whose
+    gathered rows fit the kernels' SBUF budget; 128 (the Tensor Engine's row tile) at least,
+    whatever it costs. Larger blocks reload each group's weights less often: a block does
+    2 x block FLOPs per 2-byte weight it loads, and a Trainium2 NeuronCore needs ~230 bf16
+    FLOPs per HBM byte to keep its Tensor Engine busy (~83 TFLOP/s over ~0.36 TB/s), so blocks
+    below ~256 rows are bandwidth-bound on weights. Neither number was measured here.
     """
+    from .neuron_nki import WGRAD_M_PASS_TILES, WGRAD_N_PASS
+
     extent = p.extent or 0
-    width = p.K if p.layout == LAYOUT_2D3D else p.M + p.N
+    if p.layout == LAYOUT_2D3D:
+        width = p.K
+    else:
+        width = min(p.M, WGRAD_M_PASS_TILES * 128) + min(p.N, WGRAD_N_PASS)
     itemsize = torch.empty((), dtype=p.dtype).element_size()
     block = MIN_BLOCK
-    while (block * 2 <= MAX_BLOCK and block * 2 * p.G <= extent
-           and (block * 2 // 128) * max(width, 1) * itemsize <= _ROWS_SBUF_BUDGET):
+    while (block * 2 <= MAX_BLOCK and (p.G - 1) * block * 2 * 4 <= extent
+           and (block * 2 // 128) * max(width, 1) * itemsize <= ROWS_SBUF_BUDGET):
         block *= 2
     return block
 

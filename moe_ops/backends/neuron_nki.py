@@ -64,6 +64,11 @@ def use(impl):
         _impl.reset(token)
 
 
+# Default pass sizes of the weight-gradient kernel: 4 x 128 output rows by 2048 columns, i.e.
+# 32 KiB of fp32 accumulators per partition.
+WGRAD_M_PASS_TILES, WGRAD_N_PASS = 4, 2048
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -76,7 +81,7 @@ def _load_index(src, start: int, count: int, shape):
 
 
 def block_mm_2d3d(x, w, bias, block_group, gather_rows, scatter_rows, row_valid, block: int,
-                  w_transposed: bool = False, out_fp32: bool = False):
+                  w_transposed: bool = False, out_fp32: bool = False, n_panel: int = 512):
     """Block-wise 2D x 3D grouped matmul: out[rows of group g] = x[rows] @ W[g] (+ bias[g]).
 
     Args (HBM):
@@ -90,13 +95,16 @@ def block_mm_2d3d(x, w, bias, block_group, gather_rows, scatter_rows, row_valid,
         row_valid: [NB * block] in x's dtype, 1 for slots of a real group (they get the bias), 0
             otherwise; None without bias.
         block: rows per block, a multiple of 128. out_fp32: fp32 output for bf16 / fp16 inputs.
+        n_panel: output columns per weight panel, a multiple of 128 up to 512 (one PSUM bank of
+            fp32); the host narrows it so that a panel, K x n_panel, stays within 64 KiB of SBUF
+            per partition (``panel_width``).
 
     Returns:
         out [M, N] (x's dtype, or fp32), every row written exactly once.
 
-    Per block: gather its rows (128 per tile, rows on partitions), transpose them on the Tensor
-    Engine so K lies on partitions, then per 512-column panel load the block's weights once and
-    run K / 128 accumulating matmuls per row tile into one PSUM bank; the bias joins the same
+    Per block: gather its rows (128 per tile, rows on partitions, 512 columns per DMA), transpose
+    them on the Tensor Engine so K lies on partitions, then per column panel load the block's
+    weights once and run K / 128 accumulating matmuls per row tile into one PSUM bank; the bias joins the same
     accumulation as a rank-1 matmul (row_valid^T x bias row), so it is added in fp32 before the
     single rounding to the output dtype. Blocks are independent (disjoint output rows).
     """
@@ -104,11 +112,13 @@ def block_mm_2d3d(x, w, bias, block_group, gather_rows, scatter_rows, row_valid,
     N = w.shape[1] if w_transposed else w.shape[2]
     NB = block_group.shape[0]
     P = nl.tile_size.pmax
-    NT = nl.tile_size.gemm_moving_fmax
+    NT = n_panel
     assert block % P == 0 and gather_rows.shape[0] == NB * block, "block must be a multiple of 128"
+    assert NT % P == 0 and NT <= nl.tile_size.gemm_moving_fmax, "n_panel: a multiple of 128 up to 512"
     out_dtype = nl.float32 if out_fp32 else x.dtype
     out = nl.ndarray((M, N), dtype=out_dtype, buffer=nl.shared_hbm)
     n_rt, n_kt, n_nt = block // P, _ceil_div(K, P), _ceil_div(N, NT)
+    KC = 4 * P  # columns per row-gather DMA: 1 KiB (bf16) contiguous per row and descriptor
 
     for j in nl.affine_range(NB):
         gid = _load_index(block_group, j, 1, (1, 1))
@@ -117,16 +127,16 @@ def block_mm_2d3d(x, w, bias, block_group, gather_rows, scatter_rows, row_valid,
         # Rows of the block, transposed: xT[t][kt] is [k <= 128 (partitions), 128 rows].
         xT = []
         for t in nl.affine_range(n_rt):
-            s0 = j * block + t * P
-            idx = _load_index(gather_rows, s0, P, (P, 1))
+            idx = _load_index(gather_rows, j * block + t * P, P, (P, 1))
             tiles = []
-            if K > 0:
-                rows = nl.ndarray((P, K), dtype=x.dtype, buffer=nl.sbuf)
+            for kc in nl.affine_range(_ceil_div(K, KC)):
+                c0, csz = kc * KC, min(KC, K - kc * KC)
+                rows = nl.ndarray((P, csz), dtype=x.dtype, buffer=nl.sbuf)
                 nisa.memset(dst=rows, value=0)  # slots with an out-of-bounds index stay zero
-                nisa.dma_copy(dst=rows, src=x.ap(pattern=[[K, P], [1, K]], offset=0, vector_offset=idx,
+                nisa.dma_copy(dst=rows, src=x.ap(pattern=[[K, P], [1, csz]], offset=c0, vector_offset=idx,
                                                  indirect_dim=0), oob_mode=nisa.oob_mode.skip)
-                for kt in nl.affine_range(n_kt):
-                    k0, ksz = kt * P, min(P, K - kt * P)
+                for kt in nl.affine_range(_ceil_div(csz, P)):
+                    k0, ksz = kt * P, min(P, csz - kt * P)
                     tp = nl.ndarray((ksz, P), dtype=x.dtype, buffer=nl.psum)
                     nisa.nc_transpose(dst=tp, data=rows[:, k0:k0 + ksz])
                     xt = nl.ndarray((ksz, P), dtype=x.dtype, buffer=nl.sbuf)
@@ -180,7 +190,7 @@ def block_mm_2d3d(x, w, bias, block_group, gather_rows, scatter_rows, row_valid,
 
 
 def block_mm_2d2d(xt, dy, gather_rows, keep, store_group, block: int, n_groups: int,
-                  out_fp32: bool = False, m_pass_tiles: int = 4, n_pass: int = 2048):
+                  out_fp32: bool = False, m_pass_tiles: int = WGRAD_M_PASS_TILES, n_pass: int = WGRAD_N_PASS):
     """Block-wise 2D x 2D grouped matmul (weight gradient): out[g] = sum over g's K indices of xt[k]^T dy[k].
 
     Args (HBM):
