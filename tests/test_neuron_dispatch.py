@@ -123,17 +123,18 @@ def test_serves_xla_device_only_for_neuron_xla_devices():
     assert not neuron.serves_xla_device(torch.device("meta"))
     if "torch_xla" not in sys.modules:
         assert not neuron.serves_xla_device(torch.device("xla:0"))  # no torch_xla: no Neuron XLA device
+        assert "torch_xla" not in sys.modules  # and asking imported nothing
 
 
 def test_importing_moe_ops_imports_no_neuron_toolchain():
     out = _python("""
         import sys, moe_ops
+        print(sorted(m for m in ("nki", "torch_xla", "torch_neuronx", "neuronxcc") if m in sys.modules))
         from moe_ops import backends
         status = {s.name: s for s in backends.statuses()}["neuron"]
         print(status.mode, "|", status.detail)
-        print(sorted(m for m in ("nki", "torch_xla", "torch_neuronx", "neuronxcc") if m in sys.modules))
     """)
-    mode_detail, loaded = out.strip().splitlines()
+    loaded, mode_detail = out.strip().splitlines()
     assert loaded == "[]"
     assert mode_detail.startswith("emulator | ")
     if not neuron.nki_status()[0]:

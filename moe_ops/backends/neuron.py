@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import sys
 from typing import Optional
 
 import torch
@@ -184,7 +185,7 @@ def serves_xla_device(device) -> bool:
     then), so this costs nothing without it.
     """
     device = torch.device(device)
-    if device.type != "xla":
+    if device.type != "xla" or "torch_xla" not in sys.modules:
         return False
     try:
         xm = importlib.import_module("torch_xla.core.xla_model")

@@ -35,8 +35,9 @@ What it enforces, so that index-math and tiling bugs fail here instead of on har
 
 What it does not model: timing, engines running in parallel, DMA queues, the compiler's
 allocator and scheduling, loop-carried dependencies inside ``affine_range`` (loops run in program
-order), and every instruction or argument not listed in ``language`` / ``isa`` below (they
-raise ``NotEmulated``). bf16 is stored as float32 rounded to bf16.
+order), and everything the kernels do not use: ``language`` / ``isa`` below hold only the names
+they need, and arguments the kernels never pass raise ``NotEmulated``. bf16 is stored as float32
+rounded to bf16.
 """
 
 from __future__ import annotations
@@ -73,18 +74,17 @@ SBUF_PARTITION_BYTES = 192 * 1024  # 24 MiB / 128 partitions
 # ---------------------------------------------------------------- dtypes and buffers
 # NKI names dtypes with strings; bf16 is stored as float32 values rounded to bf16.
 _STORAGE = {
-    "float32": (np.float32, 4), "bfloat16": (np.float32, 2), "float16": (np.float16, 2),
-    "int32": (np.int32, 4), "uint32": (np.uint32, 4), "uint8": (np.uint8, 1),
+    "float32": (np.float32, 4), "bfloat16": (np.float32, 2), "float16": (np.float16, 2), "int32": (np.int32, 4),
 }
 _MATMUL_DTYPES = ("bfloat16", "float16", "float32")
-_INT_DTYPES = ("int32", "uint32", "uint8")
+_INT_DTYPES = ("int32",)
 
-SBUF, PSUM, HBM, SHARED_HBM = "sbuf", "psum", "private_hbm", "shared_hbm"
+SBUF, PSUM, SHARED_HBM = "sbuf", "psum", "shared_hbm"
 _ON_CHIP = (SBUF, PSUM)
 
 
 def _is_hbm(buffer) -> bool:
-    return buffer in (HBM, SHARED_HBM)
+    return buffer == SHARED_HBM
 
 
 def _round_bf16(x: np.ndarray) -> np.ndarray:
@@ -204,8 +204,6 @@ class Tensor:
         for d, (k, n, s) in enumerate(zip(key, self.shape, self.strides)):
             if self._indirect is not None and self._indirect.kind == "vector" and d == 0 and k != slice(None):
                 raise EmulatorError("the partition dimension of a vector-indirect view cannot be sliced")
-            if isinstance(k, DynamicSlice):
-                k = k.as_slice()
             if isinstance(k, slice):
                 start, stop, step = k.indices(n)
                 if k.start is not None and not -n <= k.start <= n or k.stop is not None and not -n <= k.stop <= n:
@@ -227,7 +225,7 @@ class Tensor:
                     shape.append(1)
                     strides.append(s)
             else:
-                raise NotEmulated(f"index {k!r} is not emulated (ints, slices and nl.ds with an int start)")
+                raise NotEmulated(f"index {k!r} is not emulated (ints and slices)")
         return self._with(shape, strides, offset)
 
     def select(self, dim: int, index) -> "Tensor":
@@ -287,22 +285,10 @@ class Tensor:
 
 
 def _check_index_tensor(t, shape, what: str) -> None:
-    if not isinstance(t, Tensor) or t.buffer != SBUF or t.dtype not in ("int32", "uint32"):
-        raise EmulatorError(f"{what} must be an int32/uint32 SBUF tensor, got {t!r}")
+    if not isinstance(t, Tensor) or t.buffer != SBUF or t.dtype != "int32":
+        raise EmulatorError(f"{what} must be an int32 SBUF tensor, got {t!r}")
     if t.shape != tuple(shape):
         raise EmulatorError(f"{what} must have shape {tuple(shape)}, got {t.shape}")
-
-
-class DynamicSlice:
-    """``nl.ds(start, size)``; only compile-time (int) starts are emulated."""
-
-    def __init__(self, start, size):
-        if not isinstance(start, (int, np.integer)):
-            raise NotEmulated("nl.ds with a runtime start is not emulated")
-        self.start, self.size = int(start), int(size)
-
-    def as_slice(self) -> slice:
-        return slice(self.start, self.start + self.size)
 
 
 # ---------------------------------------------------------------- element access
@@ -382,9 +368,7 @@ def ndarray(shape, dtype, buffer=SBUF, name="", address=None):
         raise NotEmulated("manual addresses are not emulated")
     shape = tuple(int(s) for s in shape)
     dtype = _check_dtype(dtype)
-    if buffer == "hbm":
-        buffer = HBM
-    if buffer not in (SBUF, PSUM, HBM, SHARED_HBM):
+    if buffer not in (SBUF, PSUM, SHARED_HBM):
         raise EmulatorError(f"unknown buffer {buffer!r}")
     if not shape or any(s < 1 for s in shape):
         raise EmulatorError(f"tensor shape {shape} must have at least one dimension, all >= 1")
@@ -410,33 +394,21 @@ def ndarray(shape, dtype, buffer=SBUF, name="", address=None):
     return Tensor(_Storage(size, dtype, buffer, per_partition), shape, strides, 0)
 
 
-def ds(start, size):
-    return DynamicSlice(start, size)
-
-
 def _add(x, y):
     return x + y
-
-
-def _subtract(x, y):
-    return x - y
 
 
 def _multiply(x, y):
     return x * y
 
 
-_ALU = {"add": _add, "subtract": _subtract, "multiply": _multiply}
+_ALU = {"add": _add, "multiply": _multiply}
 
 language = SimpleNamespace(
-    ndarray=ndarray, ds=ds,
-    affine_range=range, sequential_range=range, static_range=range,
-    tile_size=SimpleNamespace(pmax=PMAX, gemm_stationary_fmax=GEMM_STATIONARY_FMAX,
-                              gemm_moving_fmax=GEMM_MOVING_FMAX, psum_bank_fmax=PSUM_BANK_BYTES // 4,
-                              psum_num_banks=PSUM_BANKS, sbuf_fmax_bytes=SBUF_PARTITION_BYTES),
-    float32="float32", bfloat16="bfloat16", float16="float16", int32="int32", uint32="uint32", uint8="uint8",
-    sbuf=SBUF, psum=PSUM, hbm=HBM, private_hbm=HBM, shared_hbm=SHARED_HBM,
-    add=_add, subtract=_subtract, multiply=_multiply,
+    ndarray=ndarray, affine_range=range, sequential_range=range,
+    tile_size=SimpleNamespace(pmax=PMAX, gemm_moving_fmax=GEMM_MOVING_FMAX),
+    float32="float32", bfloat16="bfloat16", float16="float16", int32="int32",
+    sbuf=SBUF, psum=PSUM, shared_hbm=SHARED_HBM, add=_add, multiply=_multiply,
 )
 
 
@@ -446,24 +418,16 @@ class oob_mode:  # noqa: N801 (the NKI name)
     skip = "skip"
 
 
-class engine:  # noqa: N801
-    unknown = "unknown"
-    tensor = "tensor"
-    vector = "vector"
-    scalar = "scalar"
-    gpsimd = "gpsimd"
-
-
 def _no_extras(op: str, **given) -> None:
-    extras = {k: v for k, v in given.items() if v not in (None, False, (), engine.unknown, "none")}
+    extras = {k: v for k, v in given.items() if v not in (None, False, ())}
     if extras:
         raise NotEmulated(f"{op}: arguments {sorted(extras)} are not emulated")
 
 
-def dma_copy(dst: Tensor, src: Tensor, priority=None, oob_mode=oob_mode.error, dge_mode=None, engine=engine.unknown,
+def dma_copy(dst: Tensor, src: Tensor, priority=None, oob_mode=oob_mode.error, dge_mode=None, engine=None,
              name=None):
     """dst = src between HBM and SBUF; gathers / scatters through indirect views."""
-    _no_extras("dma_copy", priority=priority, engine=engine)
+    _no_extras("dma_copy", priority=priority, dge_mode=dge_mode, engine=engine)
     _run().counts["dma_copy"] += 1
     for what, t in (("src", src), ("dst", dst)):
         if not isinstance(t, Tensor):
@@ -489,7 +453,8 @@ def dma_copy(dst: Tensor, src: Tensor, priority=None, oob_mode=oob_mode.error, d
     st.written[addr] = True
 
 
-def memset(dst: Tensor, value, engine=engine.unknown, name=None):
+def memset(dst: Tensor, value, engine=None, name=None):
+    _no_extras("memset", engine=engine)
     _run().counts["memset"] += 1
     if dst.buffer not in _ON_CHIP:
         raise EmulatorError(f"memset writes SBUF or PSUM, not {dst.buffer}")
@@ -497,8 +462,9 @@ def memset(dst: Tensor, value, engine=engine.unknown, name=None):
            "float32" if dst.dtype not in _INT_DTYPES else dst.dtype)
 
 
-def tensor_copy(dst: Tensor, src: Tensor, engine=engine.unknown, name=None):
+def tensor_copy(dst: Tensor, src: Tensor, engine=None, name=None):
     """dst = src on chip (SBUF / PSUM), cast to dst's dtype."""
+    _no_extras("tensor_copy", engine=engine)
     _run().counts["tensor_copy"] += 1
     vals = _flat2d(src, "tensor_copy src")
     if dst.buffer not in _ON_CHIP:
@@ -508,9 +474,9 @@ def tensor_copy(dst: Tensor, src: Tensor, engine=engine.unknown, name=None):
     _write(dst, vals, src.dtype)
 
 
-def nc_transpose(dst: Tensor, data: Tensor, engine=engine.unknown, name=None):
+def nc_transpose(dst: Tensor, data: Tensor, engine=None, name=None):
     """Tensor Engine transpose: data [p <= 128, f <= 128] in SBUF -> dst [f, p] in PSUM, same dtype."""
-    _no_extras("nc_transpose", engine=None if engine in ("unknown", "tensor") else engine)
+    _no_extras("nc_transpose", engine=engine)
     _run().counts["nc_transpose"] += 1
     if data.buffer != SBUF or dst.buffer != PSUM:
         raise EmulatorError(f"nc_transpose reads SBUF and writes PSUM, got data in {data.buffer}, dst in {dst.buffer}")
@@ -617,7 +583,7 @@ def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0, operand0, op1, operand1
 
 isa = SimpleNamespace(
     dma_copy=dma_copy, memset=memset, tensor_copy=tensor_copy, nc_transpose=nc_transpose, nc_matmul=nc_matmul,
-    scalar_tensor_tensor=scalar_tensor_tensor, oob_mode=oob_mode, engine=engine,
+    scalar_tensor_tensor=scalar_tensor_tensor, oob_mode=oob_mode,
 )
 
 
