@@ -1,0 +1,206 @@
+"""Check moe_ops on a Trainium machine with the Neuron SDK: property suite natively, then benchmarks.
+
+Never run on Trainium by its authors (no Neuron machine was available); it is the script to run
+when one is. Usage, from the repository root:
+
+    python benchmarks/neuron_check.py --out neuron_check.json            # Trainium, SDK installed
+    python benchmarks/neuron_check.py --device cpu --quick --out x.json   # plumbing check anywhere
+
+Steps, each recorded in the JSON:
+1. environment: versions of torch, torch_neuronx, torch_xla, nki, neuronx-cc; the device used
+   (TorchNeuron's "neuron" device, else torch-neuronx's XLA device) and which Neuron kernel the op
+   reports (``moe_ops.kernel_counts``: "neuron:nki" / "xla:neuron-nki" = the NKI kernels,
+   "...blockwise" = the block-wise PyTorch path, "reference" = not served);
+2. the shared property cases (tests/strategies.py) run through ``moe_ops.grouped_mm`` on the
+   device and compared with the float64 oracle under the one tolerance rule, plus the NKI kernel
+   tests on AWS's nki.simulate (``pytest tests/test_neuron_nki.py -k nki-simulate``);
+3. forward (2D x 3D), input gradient (2D x 3D, transposed weights) and weight gradient (2D x 2D)
+   timed against a dense matmul with the same FLOPs on the same device (medians of --iters runs
+   after warm-up); group sizes from a Dirichlet(1) split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import moe_ops  # noqa: E402
+from moe_ops import testing  # noqa: E402
+
+SHAPES = [  # (G, M, K, N): the CPU baseline cases of shared/notes/toolchains.md, and a large-expert one
+    (8, 4096, 1024, 2048),
+    (64, 2048, 512, 512),
+    (8, 16384, 4096, 1024),
+]
+
+
+def _version(module: str):
+    try:
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        return f"not importable: {type(e).__name__}: {e}"
+
+
+def pick_device(requested: str | None):
+    """TorchNeuron's "neuron" device, else a torch-neuronx XLA device, else what was requested."""
+    if requested:
+        return torch.device(requested)
+    try:
+        importlib.import_module("torch_neuronx")
+    except Exception:  # noqa: BLE001
+        pass
+    if torch._C._get_privateuse1_backend_name() == "neuron":
+        return torch.device("neuron")
+    try:
+        xm = importlib.import_module("torch_xla.core.xla_model")
+        device = xm.xla_device()
+        if xm.xla_device_hw(device).upper() == "NEURON":
+            return device
+    except Exception:  # noqa: BLE001
+        pass
+    raise SystemExit("no Neuron device found (TorchNeuron or torch-neuronx); pass --device cpu for a plumbing check")
+
+
+def synchronize(device, result):
+    if device.type == "xla":
+        importlib.import_module("torch_xla").sync()
+        importlib.import_module("torch_xla.core.xla_model").wait_device_ops()
+    elif device.type != "cpu":
+        try:
+            torch.accelerator.synchronize(device)
+        except Exception:  # noqa: BLE001 - fall back to a host read
+            result.reshape(-1)[:1].cpu()
+
+
+def property_cases(device, examples: int) -> dict:
+    from hypothesis import HealthCheck, given, settings
+
+    from oracle import magnitude, oracle
+    from strategies import build, cases
+
+    report = {"examples": 0, "failures": [], "kernels": {}}
+
+    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=cases(dtypes=(torch.float32, torch.bfloat16, torch.float16)))
+    def run(case):
+        a, b, offs, bias, out_dtype = build(case)
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        moe_ops.reset_kernel_counts()
+        try:
+            out = moe_ops.grouped_mm(move(a), move(b), move(offs), move(bias), out_dtype).cpu()
+            testing.assert_close(out, oracle(a, b, offs, bias, out_dtype), oracle(a, b, offs, bias, out_dtype, exact=False),
+                                 magnitude(a, b, offs, bias), what=str(case))
+        except Exception as e:  # noqa: BLE001 - every failure is recorded
+            report["failures"].append(f"{type(e).__name__}: {e}"[:2000])
+        for k, v in moe_ops.kernel_counts().items():
+            report["kernels"][k] = report["kernels"].get(k, 0) + v
+        report["examples"] += 1
+
+    run()
+    return report
+
+
+def nki_simulate_tests() -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", os.path.join(ROOT, "tests", "test_neuron_nki.py"), "-k", "nki-simulate"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    return {"command": " ".join(cmd[1:]), "returncode": done.returncode, "tail": done.stdout[-3000:]}
+
+
+def _splits(total: int, G: int, gen) -> torch.Tensor:
+    w = torch.distributions.Dirichlet(torch.ones(G)).sample()
+    sizes = torch.floor(w * total).to(torch.int64)
+    sizes[-1] += total - sizes.sum()
+    return torch.cumsum(sizes, 0).to(torch.int32)
+
+
+def _time(fn, device, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        synchronize(device, fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        r = fn()
+        synchronize(device, r)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def benchmarks(device, shapes, iters: int, dtype=torch.bfloat16) -> list:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for G, M, K, N in shapes:
+        torch.manual_seed(0)
+        offs = _splits(M, G, gen).to(device)
+        x = torch.randn(M, K, dtype=dtype).to(device)
+        w = torch.randn(G, K, N, dtype=dtype).to(device)
+        dy = torch.randn(M, N, dtype=dtype).to(device)
+        dense_a, dense_b = torch.randn(M, K, dtype=dtype).to(device), torch.randn(K, N, dtype=dtype).to(device)
+        flops = 2.0 * M * K * N
+        cases = {
+            "forward 2d3d": lambda: moe_ops.grouped_mm(x, w, offs),
+            "input grad 2d3d (w transposed)": lambda: moe_ops.grouped_mm(dy, w.transpose(1, 2), offs),
+            "weight grad 2d2d": lambda: moe_ops.grouped_mm(x.t(), dy, offs),
+        }
+        dense = _time(lambda: torch.matmul(dense_a, dense_b), device, iters)
+        for name, fn in cases.items():
+            moe_ops.reset_kernel_counts()
+            try:
+                t = _time(fn, device, iters)
+                rows.append({"case": name, "G": G, "M": M, "K": K, "N": N, "dtype": str(dtype), "seconds": t,
+                             "dense_seconds": dense, "x_dense": t / dense, "tflops": flops / t / 1e12,
+                             "kernels": moe_ops.kernel_counts()})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"case": name, "G": G, "M": M, "K": K, "N": N, "error": f"{type(e).__name__}: {e}",
+                             "traceback": traceback.format_exc()[-2000:]})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="neuron_check.json")
+    ap.add_argument("--device", default=None, help="override the device (e.g. cpu for a plumbing check)")
+    ap.add_argument("--examples", type=int, default=60, help="property cases to draw")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and few examples (plumbing check)")
+    args = ap.parse_args()
+    device = pick_device(args.device)
+    shapes = [(4, 512, 128, 256)] if args.quick else SHAPES
+    examples, iters = (5, 2) if args.quick else (args.examples, args.iters)
+    result = {
+        "environment": {"python": platform.python_version(), "machine": platform.machine(), "device": str(device),
+                        "privateuse1": torch._C._get_privateuse1_backend_name(),
+                        **{m: _version(m) for m in ("torch", "torch_neuronx", "torch_xla", "nki", "neuronxcc")},
+                        "moe_ops": moe_ops.__version__,
+                        "neuron_status": next(s.detail for s in moe_ops.backends.statuses() if s.name == "neuron")},
+        "property_cases": property_cases(device, examples),
+        "nki_simulate_tests": nki_simulate_tests(),
+        "benchmarks": benchmarks(device, shapes, iters),
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    p = result["property_cases"]
+    print(f"{device}: {p['examples']} property cases, {len(p['failures'])} failures, kernels {p['kernels']}; "
+          f"nki.simulate tests rc={result['nki_simulate_tests']['returncode']}; wrote {args.out}")
+    for r in result["benchmarks"]:
+        print(f"  {r['case']:32s} G={r['G']} M={r['M']} K={r['K']} N={r['N']}: "
+              + (f"{r['seconds'] * 1e3:.2f} ms, x{r['x_dense']:.2f} dense, {r['kernels']}" if "seconds" in r
+                 else r["error"]))
+    return 1 if p["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

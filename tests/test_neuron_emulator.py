@@ -1,0 +1,300 @@
+"""Our numpy NKI emulator (NOT AWS's simulator) rejects what Trainium rejects.
+
+Each test runs a tiny kernel written with ``neuron_nki``'s ``nl`` / ``nisa`` (the names the real
+kernels use) on the emulator and checks that a hardware or API rule is enforced:
+* tile limits: 128 partitions, one 2 KiB PSUM bank per partition, SBUF capacity;
+* nc_matmul / nc_transpose memory spaces, operand shapes, dtypes, PSUM accumulation rules;
+* DMA: no PSUM, equal element counts, bounds, indirect indices with oob_mode error / skip;
+* reads of never-written memory and kernels that leave outputs unwritten;
+* bf16 rounding (to nearest even);
+* the real kernels fail when their tiling exceeds the hardware (a kernel told pmax = 256).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moe_ops import _contract
+from moe_ops.backends import neuron, neuron_emulator as emu
+from moe_ops.backends.neuron_nki import nl, nisa, use
+
+pytestmark = pytest.mark.backend_neuron
+
+
+def run(kernel, *args):
+    return emu.run_kernel(kernel, list(args), activate=use)[0]
+
+
+def f32(shape, value=1.0):
+    return (np.full(shape, value, dtype=np.float32), "float32")
+
+
+def _sbuf(shape, dtype="float32", value=1.0):
+    t = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=value)
+    return t
+
+
+def _store(t):
+    out = nl.ndarray(t.shape, dtype=t.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+# ---------------------------------------------------------------- tile limits
+def test_partition_dimension_is_at_most_128():
+    assert run(lambda: _store(_sbuf((128, 4))))[0].shape == (128, 4)
+    with pytest.raises(emu.EmulatorError, match="partition dimension 129 > 128"):
+        run(lambda: _sbuf((129, 4)))
+    with pytest.raises(emu.EmulatorError, match="partition dimension 129 > 128"):
+        run(lambda: nl.ndarray((129, 8), dtype=nl.float32, buffer=nl.psum))
+
+
+def test_psum_tile_is_one_2kib_bank_per_partition():
+    def psum(shape, dtype):
+        nl.ndarray(shape, dtype=dtype, buffer=nl.psum)
+
+    run(lambda: psum((128, 512), nl.float32))  # 2048 bytes: fits
+    run(lambda: psum((128, 1024), nl.bfloat16))  # 2048 bytes: fits
+    with pytest.raises(emu.EmulatorError, match="2052 bytes per partition; the limit is 2048"):
+        run(lambda: psum((128, 513), nl.float32))
+
+
+def test_sbuf_capacity_of_live_tiles():
+    def kernel():
+        keep = [nl.ndarray((128, 25 * 1024), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2)]  # 200 KiB
+        del keep
+
+    with pytest.raises(emu.EmulatorError, match="sbuf over capacity"):
+        run(kernel)
+
+    def reuse():  # the same allocations one after the other fit
+        for _ in range(4):
+            t = nl.ndarray((128, 25 * 1024), dtype=nl.float32, buffer=nl.sbuf)
+            del t
+        return _store(_sbuf((1, 1)))
+
+    run(reuse)
+    with pytest.raises(emu.EmulatorError, match="the limit is 196608"):
+        run(lambda: nl.ndarray((1, 49153), dtype=nl.float32, buffer=nl.sbuf))
+
+
+# ---------------------------------------------------------------- Tensor Engine
+def _matmul(stat_buf=emu.SBUF, mov_buf=emu.SBUF, dst_buf=emu.PSUM, k=128, k2=None, m=64, n=32,
+            stat_dtype="float32", mov_dtype="float32", dst_dtype="float32", accumulate=False):
+    def kernel(hbm):
+        def operand(shape, dtype, buf):
+            if buf == emu.SHARED_HBM:
+                return hbm
+            t = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
+            nisa.memset(dst=t, value=1.0)
+            if buf == emu.PSUM:
+                p = nl.ndarray(shape, dtype=dtype, buffer=nl.psum)
+                nisa.tensor_copy(dst=p, src=t)
+                return p
+            return t
+
+        stat = operand((k, m), stat_dtype, stat_buf)
+        mov = operand((k2 or k, n), mov_dtype, mov_buf)
+        dst = nl.ndarray((m, n), dtype=dst_dtype, buffer=dst_buf)
+        nisa.nc_matmul(dst=dst, stationary=stat, moving=mov, accumulate=accumulate)
+        res = nl.ndarray((m, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=res, src=dst)
+        return _store(res)
+
+    return run(kernel, f32((k2 or k, n)))[0]
+
+
+def test_matmul_contracts_over_partitions():
+    out = _matmul(k=100, m=7, n=9)
+    assert out.shape == (7, 9) and np.all(out == 100.0)
+
+
+@pytest.mark.parametrize("where, message", [
+    (dict(stat_buf=emu.PSUM), "operands must be in SBUF: stationary in psum"),
+    (dict(mov_buf=emu.SHARED_HBM), "operands must be in SBUF: stationary in sbuf, moving in shared_hbm"),
+    (dict(dst_buf=emu.SBUF), "nc_matmul writes PSUM, dst is in sbuf"),
+])
+def test_matmul_memory_spaces(where, message):
+    with pytest.raises(emu.EmulatorError, match=message):
+        _matmul(**where)
+
+
+@pytest.mark.parametrize("shape, message", [
+    (dict(k=128, k2=64), "contraction .partition. sizes differ"),
+    (dict(m=129), "partition dimension 129"),  # the [129, n] PSUM result cannot exist
+    (dict(n=513), "the limit is 2048"),  # nor a [m, 513] fp32 result: one bank
+])
+def test_matmul_operand_shapes(shape, message):
+    with pytest.raises(emu.EmulatorError, match=message):
+        _matmul(**shape)
+
+
+@pytest.mark.parametrize("dtypes, message", [
+    (dict(stat_dtype="float32", mov_dtype="bfloat16"), "float32 only pairs with float32"),
+    (dict(stat_dtype="int32", mov_dtype="int32"), "not a Tensor Engine input dtype"),
+    (dict(stat_dtype="bfloat16", mov_dtype="bfloat16", dst_dtype="bfloat16"), "accumulates into a float32"),
+])
+def test_matmul_dtypes(dtypes, message):
+    with pytest.raises(emu.EmulatorError, match=message):
+        _matmul(**dtypes)
+    _matmul(stat_dtype="bfloat16", mov_dtype="float16")  # 16-bit types mix
+
+
+def test_matmul_accumulate_needs_a_matmul_initialised_psum():
+    with pytest.raises(emu.EmulatorError, match="accumulate=True on PSUM not initialised by a matmul"):
+        _matmul(accumulate=True)
+
+    def after_memset():
+        dst = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.psum)
+        nisa.memset(dst=dst, value=0.0)
+        nisa.nc_matmul(dst=dst, stationary=_sbuf((8, 4)), moving=_sbuf((8, 4)), accumulate=True)
+
+    with pytest.raises(emu.EmulatorError, match="not initialised by a matmul"):
+        run(after_memset)
+
+    def twice():
+        dst = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.psum)
+        for i in range(3):
+            nisa.nc_matmul(dst=dst, stationary=_sbuf((8, 4)), moving=_sbuf((8, 4)), accumulate=(i > 0))
+        res = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=res, src=dst)
+        return _store(res)
+
+    assert np.all(run(twice)[0] == 24.0)
+
+
+def test_transpose_reads_sbuf_writes_psum_same_dtype():
+    def kernel(x, dst_buf=emu.PSUM, dst_dtype="float32"):
+        t = nl.ndarray((4, 3), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        d = nl.ndarray((3, 4), dtype=dst_dtype, buffer=dst_buf)
+        nisa.nc_transpose(dst=d, data=t)
+        r = nl.ndarray((3, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=r, src=d)
+        return _store(r)
+
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    np.testing.assert_array_equal(run(kernel, (x, "float32"))[0], x.T)
+    with pytest.raises(emu.EmulatorError, match="reads SBUF and writes PSUM"):
+        run(lambda x: kernel(x, dst_buf=emu.SBUF), (x, "float32"))
+    with pytest.raises(emu.EmulatorError, match="keeps the dtype"):
+        run(lambda x: kernel(x, dst_dtype="bfloat16"), (x, "float32"))
+
+
+# ---------------------------------------------------------------- DMA and memory safety
+def test_dma_never_touches_psum_and_counts_must_match():
+    def from_psum():
+        p = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.psum)
+        nisa.memset(dst=p, value=0.0)
+        return _store(p)
+
+    with pytest.raises(emu.EmulatorError, match="cannot access PSUM"):
+        run(from_psum)
+
+    def mismatch(x):
+        t = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+
+    with pytest.raises(emu.EmulatorError, match="element counts differ"):
+        run(mismatch, f32((4, 4)))
+
+
+def test_static_slices_are_bounds_checked():
+    def kernel(x):
+        t = nl.ndarray((128, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[120:130], src=x[0:10])
+
+    with pytest.raises(emu.EmulatorError, match="out of range for dimension 0 of size 128"):
+        run(kernel, f32((16, 8)))
+
+
+def _gather(x, idx_hbm, oob):
+    idx = nl.ndarray((4, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=idx_hbm)
+    rows = _sbuf((4, 3), value=-1.0)
+    nisa.dma_copy(dst=rows, src=x.ap(pattern=[[3, 4], [1, 3]], offset=0, vector_offset=idx, indirect_dim=0),
+                  oob_mode=oob)
+    return _store(rows)
+
+
+def test_indirect_gather_out_of_bounds_raises_or_skips():
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    idx = (np.array([4, 5, 0, -1], dtype=np.int32), "int32")
+    with pytest.raises(emu.EmulatorError, match="out of bounds"):
+        run(lambda x, i: _gather(x, i, nisa.oob_mode.error), (x, "float32"), idx)
+    got = run(lambda x, i: _gather(x, i, nisa.oob_mode.skip), (x, "float32"), idx)[0]
+    np.testing.assert_array_equal(got, [x[4], [-1, -1, -1], x[0], [-1, -1, -1]])
+
+
+def test_indirect_index_must_be_an_int_sbuf_tile():
+    def kernel(w):
+        g = _sbuf((1, 1), dtype=nl.float32, value=0.0)
+        return w.select(0, g)
+
+    with pytest.raises(emu.EmulatorError, match="must be an int32 SBUF tensor"):
+        run(kernel, f32((2, 3, 4)))
+
+
+def test_reading_never_written_memory_fails():
+    def kernel():
+        t = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.sbuf)
+        return _store(t)
+
+    with pytest.raises(emu.EmulatorError, match="never-written"):
+        run(kernel)
+
+
+def test_outputs_must_be_fully_written():
+    def kernel():
+        out = nl.ndarray((8, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[0:7], src=_sbuf((7, 4)))
+        return out
+
+    with pytest.raises(emu.EmulatorError, match=r"left 4 elements of its output \(8, 4\) unwritten \(first at \(7, 0\)\)"):
+        run(kernel)
+
+
+def test_bf16_rounds_to_nearest_even():
+    vals = np.array([[1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8 + 2.0 ** -12), 3.0e38]], dtype=np.float32)
+
+    def kernel(x):
+        t = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        b = nl.ndarray((1, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=b, src=t)
+        return _store(b)
+
+    got = run(kernel, (vals, "float32"))[0]
+    expected = torch.tensor(vals).to(torch.bfloat16).float().numpy()  # torch rounds to nearest even too
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(got[0, :3], [1.0, 1 + 2.0 ** -6, -(1 + 2.0 ** -7)])
+    with pytest.raises(emu.EmulatorError, match="exactly representable in bf16"):
+        run(lambda x: x, (vals, "bfloat16"))
+
+
+# ---------------------------------------------------------------- the real kernels
+def test_kernel_fails_when_told_a_larger_tile_than_the_hardware(monkeypatch):
+    """The kernels size tiles from nl.tile_size; with pmax = 256 they build tiles Trainium cannot hold."""
+    gen = torch.Generator().manual_seed(0)
+    a, b, offs = torch.randn(300, 40, generator=gen), torch.randn(3, 40, 30, generator=gen), torch.tensor([100, 100, 300])
+    p = _contract.check_args(a, b, offs)
+    neuron.run_on_emulator(p, a, b, offs, None, 256)  # the real sizes pass
+    monkeypatch.setattr(emu.language.tile_size, "pmax", 256)
+    with pytest.raises(emu.EmulatorError, match="partition dimension 256 > 128"):
+        neuron.run_on_emulator(p, a, b, offs, None, 256)
+
+
+def test_forward_kernel_fits_sbuf_at_large_k_only_with_narrowed_panels():
+    """K = 8192 fp32, 256-row blocks: the transposed rows take 64 KiB per partition, so the weight
+    panel must narrow to 256 columns (64 KiB); the full 512-column panel (128 KiB) overflows SBUF."""
+    gen = torch.Generator().manual_seed(0)
+    a, b, offs = torch.randn(256, 8192, generator=gen), torch.randn(2, 8192, 512, generator=gen), torch.tensor([100, 256])
+    p = _contract.check_args(a, b, offs)
+    assert neuron.panel_width(8192, 4) == 256
+    out, _ = neuron.run_on_emulator(p, a, b, offs, None, 256)
+    assert out.shape == (256, 512)
+    with pytest.raises(emu.EmulatorError, match="sbuf over capacity"):
+        neuron.run_on_emulator(p, a, b, offs, None, 256, n_panel=512)
