@@ -222,33 +222,46 @@ class TileConfig:
     num_stages: int = 3
 
 
+# Shared memory one program may use, KiB per SM: A100 (sm_80) 163, H100/H200 (sm_90) and
+# B200 (sm_100) 227; sm_86/sm_89 and RTX 50 (sm_120) 99.
+_SMEM_KIB = {80: 163, 90: 227, 100: 227, 103: 227}
+_SMEM_KIB_OTHER = 99
+
+
 def tile_config(arch: int, dtype: torch.dtype, rows_per_group: Optional[int] = None) -> TileConfig:
     """The tile configuration for a compute capability ``arch`` (e.g. 80, 90, 100) and dtype.
 
     A small heuristic instead of a per-shape table:
-    * bf16/fp16, sm_90 and sm_100 (wgmma / tcgen05 want 128-row tiles and wide N): 128x256x64,
-      8 warps, 3 stages = 3 x 48 KiB of shared memory (H100/B200 have 227 KiB per SM).
-    * bf16/fp16, sm_80/sm_86/sm_89 (mma.sync): 128x128x64, 8 warps, 3 stages = 96 KiB
-      (A100 has 164 KiB, sm_86/89 have 100 KiB).
-    * fp32 with ieee precision runs on FMA units: 64x64x32, 4 warps; with tf32 it uses the
-      16-bit tile shape with BK halved (fp32 tiles take twice the shared memory).
-    * fp64: 64x64x16, 4 warps (8-byte elements; DMMA on sm_80/sm_90).
-    * when groups average fewer than 64 rows (e.g. 128 experts, 4k routed tokens), BM = 64
-      halves the padding of each group's last row tile.
+    * tile shape by dtype and architecture:
+      - bf16/fp16 (and fp32 with the tf32 opt-in, BK halved for 4-byte elements): 128x256x64
+        with 8 warps on sm_90/sm_100 (wgmma / tcgen05 like 128-row tiles and wide N);
+        128x128x64 with 8 warps on the mma.sync GPUs (sm_80, sm_86, sm_89, sm_120);
+      - when groups average fewer than 64 rows (e.g. 128 experts, 4k routed rows), 64x128x64
+        with 4 warps, which halves the padding of each group's last row tile;
+      - fp32 with ieee precision runs on FMA units: 64x64x32, 4 warps;
+      - fp64: 64x64x16, 4 warps.
+    * pipeline stages: as many operand tiles as fit in 3/4 of the architecture's shared memory
+      (the rest is left to the epilogue), between 2 and 4. E.g. 128x256x64 bf16 is 48 KiB per
+      stage: 3 stages on sm_90 (144 KiB of 227).
     """
-    small_groups = rows_per_group is not None and rows_per_group < 64
-    if dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and fp32_precision() != "ieee"):
-        half = dtype != torch.float32
-        if arch >= 90 and arch < 120:
-            cfg = TileConfig(128, 256, 64 if half else 32, num_warps=8, num_stages=3)
+    tensor_cores = dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and fp32_precision() != "ieee")
+    element = torch.finfo(dtype).bits // 8
+    if tensor_cores:
+        bk = 64 if element == 2 else 32
+        if rows_per_group is not None and rows_per_group < 64:
+            BM, BN, BK, warps = 64, 128, bk, 4
+        elif arch in (90, 100, 103):
+            BM, BN, BK, warps = 128, 256, bk, 8
         else:
-            cfg = TileConfig(128, 128, 64 if half else 32, num_warps=8, num_stages=3)
-        if small_groups:
-            cfg = TileConfig(64, cfg.BN if cfg.BN <= 128 else 128, cfg.BK, num_warps=4, num_stages=4)
-        return cfg
-    if dtype == torch.float64:
-        return TileConfig(64, 64, 16, num_warps=4, num_stages=3)
-    return TileConfig(64, 64, 32, num_warps=4, num_stages=3)
+            BM, BN, BK, warps = 128, 128, bk, 8
+    elif dtype == torch.float64:
+        BM, BN, BK, warps = 64, 64, 16, 4
+    else:
+        BM, BN, BK, warps = 64, 64, 32, 4
+    per_stage = (BM * BK + BK * BN) * element
+    budget = _SMEM_KIB.get(arch, _SMEM_KIB_OTHER) * 1024 * 3 // 4
+    stages = max(2, min(4, budget // per_stage))
+    return TileConfig(BM, BN, BK, GROUP_M=8, num_warps=warps, num_stages=stages)
 
 
 # The interpreter costs ~5 ms per tile operation whatever the tile size (numpy on whole blocks),
@@ -327,13 +340,16 @@ def _acc_dtype(dtype: torch.dtype):
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # input_precision only changes fp32 dots; 16-bit and fp64 operands ignore it ("tf32" is the
-    # compiler's default value, so those variants compile exactly as a plain tl.dot).
-    return fp32_precision() if dtype == torch.float32 else "tf32"
+    # input_precision only changes fp32 dots. 16-bit operands get "tf32", the compiler's default,
+    # so they compile exactly as a plain tl.dot; fp64 is computed in fp64 either way.
+    if dtype == torch.float32:
+        return fp32_precision()
+    return "ieee" if dtype == torch.float64 else "tf32"
 
 
 def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
-               config: Optional[TileConfig] = None, programs: Optional[int] = None, arch: int = 0):
+               config: Optional[TileConfig] = None, programs: Optional[int] = None, arch: int = 0,
+               out: Optional[torch.Tensor] = None):
     """Run the Triton kernels for one validated problem (offs already a valid partition).
 
     Args:
@@ -343,12 +359,18 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
         interpret: run the interpreted twin (CPU tensors) instead of the compiled kernels.
         config / programs: override the tile configuration / persistent grid size (tests).
         arch: compute capability as an int (e.g. 90) for the tile heuristic.
+        out: a contiguous tensor of shape ``p.out_shape`` and dtype ``p.out_dtype`` to write
+            into instead of a new one (a static buffer for CUDA graphs; tests pass one filled
+            with NaN to show that every element is written).
 
     Returns:
-        A new contiguous tensor of shape ``p.out_shape`` and dtype ``p.out_dtype``.
+        ``out``, or a new contiguous tensor of shape ``p.out_shape`` and dtype ``p.out_dtype``.
     """
     kernels = interpreted() if interpret else sys.modules[__name__]
-    out = torch.empty(p.out_shape, dtype=p.out_dtype, device=mat_a.device)
+    if out is None:
+        out = torch.empty(p.out_shape, dtype=p.out_dtype, device=mat_a.device)
+    elif tuple(out.shape) != tuple(p.out_shape) or out.dtype != p.out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {p.out_dtype} tensor of shape {tuple(p.out_shape)}")
     if out.numel() == 0:
         return out
     if config is None:
