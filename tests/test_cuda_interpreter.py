@@ -210,8 +210,8 @@ _SMEM_KIB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99}
 def test_tile_configs_fit_shared_memory(arch, dtype, rows_per_group):
     cfg = tk.tile_config(arch, dtype, rows_per_group)
     element = torch.finfo(dtype).bits // 8
-    stages = (cfg.BM * cfg.BK + cfg.BK * cfg.BN) * element * cfg.num_stages
-    assert stages <= _SMEM_KIB[arch] * 1024 * 0.9, (arch, dtype, cfg, stages)
+    pipelines = (cfg.BM * cfg.BK + cfg.BK * cfg.BN) * element * cfg.num_stages * cfg.programs_per_sm
+    assert pipelines <= _SMEM_KIB[arch] * 1024 * 0.9, (arch, dtype, cfg, pipelines)
     assert cfg.BM >= 16 and cfg.BN >= 16 and cfg.BK >= 16  # tl.dot's minimum
     if rows_per_group is not None and dtype in HALF:
         assert cfg.BM == 64

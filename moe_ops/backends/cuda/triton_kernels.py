@@ -212,7 +212,8 @@ def _ragged_k_kernel(
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One kernel configuration: tile sizes, L2 band height, warps and pipeline stages."""
+    """One kernel configuration: tile sizes, L2 band height, warps, pipeline stages, and how many
+    persistent programs share an SM."""
 
     BM: int
     BN: int
@@ -220,6 +221,7 @@ class TileConfig:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    programs_per_sm: int = 1
 
 
 # Shared memory one program may use, KiB per SM: A100 (sm_80) 163, H100/H200 (sm_90) and
@@ -243,6 +245,8 @@ def tile_config(arch: int, dtype: torch.dtype, rows_per_group: Optional[int] = N
     * pipeline stages: as many operand tiles as fit in 3/4 of the architecture's shared memory
       (the rest is left to the epilogue), between 2 and 4. E.g. 128x256x64 bf16 is 48 KiB per
       stage: 3 stages on sm_90 (144 KiB of 227).
+    * persistent programs per SM: 2 for 4-warp configurations whose two pipelines fit in that
+      3/4, else 1.
     """
     tensor_cores = dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and fp32_precision() != "ieee")
     element = torch.finfo(dtype).bits // 8
@@ -259,9 +263,11 @@ def tile_config(arch: int, dtype: torch.dtype, rows_per_group: Optional[int] = N
     else:
         BM, BN, BK, warps = 64, 64, 32, 4
     per_stage = (BM * BK + BK * BN) * element
-    budget = _SMEM_KIB.get(arch, _SMEM_KIB_OTHER) * 1024 * 3 // 4
-    stages = max(2, min(4, budget // per_stage))
-    return TileConfig(BM, BN, BK, GROUP_M=8, num_warps=warps, num_stages=stages)
+    smem = _SMEM_KIB.get(arch, _SMEM_KIB_OTHER) * 1024
+    stages = max(2, min(4, smem * 3 // 4 // per_stage))
+    # A second program per SM hides the epilogue of the first when both fit (4-warp configs).
+    per_sm = 2 if warps == 4 and 2 * stages * per_stage <= smem * 3 // 4 else 1
+    return TileConfig(BM, BN, BK, GROUP_M=8, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
 
 
 # The interpreter costs ~5 ms per tile operation whatever the tile size (numpy on whole blocks),
@@ -326,13 +332,13 @@ def interpreted():
 _num_sms: dict = {}
 
 
-def _programs(device: torch.device, tiles_bound: int) -> int:
-    """Persistent grid size: one program per SM (the 16-bit configs fill an SM's shared memory),
-    never more than the static upper bound on tiles."""
+def _programs(device: torch.device, config: TileConfig, tiles_bound: int) -> int:
+    """Persistent grid size: ``config.programs_per_sm`` programs per SM, never more than the
+    static upper bound on tiles."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _num_sms:
         _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(_num_sms[index], tiles_bound))
+    return max(1, min(_num_sms[index] * config.programs_per_sm, tiles_bound))
 
 
 def _acc_dtype(dtype: torch.dtype):
@@ -389,7 +395,7 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
     def grid_size(tiles_bound):
         if programs is not None:
             return programs
-        return INTERPRETER_PROGRAMS if interpret else _programs(mat_a.device, tiles_bound)
+        return INTERPRETER_PROGRAMS if interpret else _programs(mat_a.device, config, tiles_bound)
 
     if p.layout == LAYOUT_2D2D:
         tiles = p.G * triton.cdiv(p.M, config.BM) * triton.cdiv(p.N, config.BN)
@@ -416,9 +422,9 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
         s_a = (a.stride(0), a.stride(1), a.stride(2))
         s_o = (o.stride(0), o.stride(1), o.stride(2))
     has_offs = p.layout != LAYOUT_3D3D
-    # Static bound on tiles: each group adds at most one partial row tile, plus the zero tail.
-    row_tiles = triton.cdiv(M, config.BM) + (p.G + 1 if has_offs else 0)
-    if not has_offs:
+    if has_offs:  # each group adds at most one partial row tile, and the zero tail one more
+        row_tiles = triton.cdiv(M, config.BM) + p.G + 1
+    else:
         row_tiles = p.G * triton.cdiv(M, config.BM)
     nprog = grid_size(row_tiles * triton.cdiv(N, config.BN))
     has_bias = bias is not None
