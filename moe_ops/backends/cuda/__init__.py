@@ -5,7 +5,8 @@ Per call, ``select`` picks from (compute capability, toolchains installed, dtype
 * "blackwell": the sm_100-family CuTe DSL kernel (``blackwell.py`` beside this file) for the
   (layout, dtype) pairs in ``BLACKWELL.serves``. That set is empty until the kernel is wired
   in, so sm_100 runs Triton today; wiring it in is one line (fill ``BLACKWELL.serves``). The
-  module must expose ``grouped_mm(problem, mat_a, mat_b, offs, bias) -> Tensor``.
+  module must expose ``grouped_mm(problem, mat_a, mat_b, offs, bias) -> Tensor``; when it raises
+  NotImplementedError for a call (e.g. strides it cannot load), Triton computes the call.
 * "triton": the persistent Triton kernels of ``triton_kernels.py``, sm_80 and newer, every
   layout and dtype.
 * "reference": older GPUs, or triton missing. The kernel raises NotImplementedError with the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,6 +33,8 @@ from ... import _op
 from .. import BackendUnavailable, Status
 
 NAME = "cuda"
+
+log = logging.getLogger("moe_ops")
 
 TRITON_MIN_CAPABILITY = (8, 0)
 TRITON_INSTALL_HINT = "pip install triton==3.9.0"
@@ -107,6 +111,7 @@ def _capability(device: torch.device) -> Optional[tuple]:
 
 
 _toolchains: Optional[frozenset] = None
+_declined: set = set()
 
 
 def _run(p, mat_a, mat_b, offs, bias) -> torch.Tensor:
@@ -119,8 +124,13 @@ def _run(p, mat_a, mat_b, offs, bias) -> torch.Tensor:
     if choice.kernel == "reference":
         raise NotImplementedError(choice.reason)
     if choice.kernel != "triton":
-        _op.note_kernel(f"cuda:{choice.kernel}")
-        return importlib.import_module(f"{__name__}.{choice.kernel}").grouped_mm(p, mat_a, mat_b, offs, bias)
+        try:
+            _op.note_kernel(f"cuda:{choice.kernel}")
+            return importlib.import_module(f"{__name__}.{choice.kernel}").grouped_mm(p, mat_a, mat_b, offs, bias)
+        except NotImplementedError as e:  # e.g. strides its TMA loads cannot take: Triton serves it
+            if (choice.kernel, str(e)) not in _declined:
+                _declined.add((choice.kernel, str(e)))
+                log.info("moe_ops: cuda:%s does not serve this call (%s); using triton", choice.kernel, e)
     from . import triton_kernels
 
     if capability is None:

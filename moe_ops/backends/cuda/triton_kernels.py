@@ -34,7 +34,9 @@ a stride, because M*K, M*N and G*K*N pass 2^31 on real MoE shapes (DeepSeek-V3's
 Interpreter: the same source is loaded a second time with Triton's interpreter switched on
 (``interpreted()``), which runs the kernels on CPU tensors. There ``DOT_UPCAST`` casts bf16
 tiles to fp32 before ``tl.dot``, because the interpreter's bf16 dot multiplies raw bits
-(triton-lang/triton#11584); compiled kernels never set it.
+(triton-lang/triton#11584); compiled kernels never set it. The kernels call only core
+builtins: the @jit helpers of triton.language.standard (tl.cdiv, tl.zeros, ...) were compiled
+when triton was imported and cannot be called from the interpreted copy.
 """
 
 from __future__ import annotations
