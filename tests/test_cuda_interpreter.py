@@ -29,6 +29,7 @@ from oracle import magnitude, oracle
 tk = pytest.importorskip("moe_ops.backends.cuda.triton_kernels", reason="triton is not installed (pip install triton==3.9.0)")
 
 SMALL = tk.TileConfig(16, 16, 16, GROUP_M=2)
+SMALL_SPLIT = tk.TileConfig(16, 32, 16, GROUP_M=2, epilogue_split=True)  # the 128x256 epilogue path
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -50,15 +51,16 @@ def _randn(*shape, dtype, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_SPLIT], ids=["whole-epilogue", "split-epilogue"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_straddling_tiles_empty_groups_and_tail(dtype):
+def test_straddling_tiles_empty_groups_and_tail(dtype, config):
     # 16-row tiles; group ends 5, 21, 21, 40, 61 cut tiles mid-way; group 2 is empty; rows
-    # 61..69 are past offs[-1]. K = 40 is 2.5 K steps, N = 40 is 2.5 column tiles; 3 programs
-    # walk 18 tiles.
+    # 61..69 are past offs[-1]. K = 40 is 2.5 K steps, N = 40 is 2.5 (or 1.25) column tiles;
+    # 3 programs walk the tiles.
     a = _randn(70, 40, dtype=dtype, seed=1)
     b = _randn(5, 40, 40, dtype=dtype, seed=2)
     offs = torch.tensor([5, 21, 21, 40, 61], dtype=torch.int32)
-    out = _run(a, b, offs)
+    out = _run(a, b, offs, config=config)
     _check(out, a, b, offs, what=f"2d3d {dtype}")
     assert torch.count_nonzero(out[61:]) == 0
 
@@ -85,21 +87,22 @@ def test_transposed_mat_b_with_bias_and_fp32_out(dtype):
     b = b_nk.transpose(1, 2)
     bias = _randn(3, 24, dtype=dtype, seed=9)
     offs = torch.tensor([10, 10, 41])
-    out = _run(a, b, offs, bias, torch.float32)
+    out = _run(a, b, offs, bias, torch.float32, config=SMALL_SPLIT)
     assert out.dtype == torch.float32
     _check(out, a, b, offs, bias, torch.float32, what=f"transposed mat_b {dtype}")
     assert torch.count_nonzero(out[41:]) == 0, "bias must not leak into rows past offs[-1]"
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_SPLIT], ids=["whole-epilogue", "split-epilogue"])
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
-def test_2d2d_ragged_k_empty_groups(out_dtype):
+def test_2d2d_ragged_k_empty_groups(out_dtype, config):
     # The weight gradient: mat_a = x.t() of a [K, M] activation (column-major), groups over K
     # with empty groups 1 and 3 and K past offs[-1]; their [M, N] slices must be exact zeros.
     x = _randn(60, 20, dtype=torch.bfloat16, seed=10)
     a = x.t()
     b = _randn(60, 36, dtype=torch.bfloat16, seed=11)
     offs = torch.tensor([17, 17, 50, 50], dtype=torch.int32)
-    out = _run(a, b, offs, out_dtype=out_dtype)
+    out = _run(a, b, offs, out_dtype=out_dtype, config=config)
     _check(out, a, b, offs, out_dtype=out_dtype, what="2d2d")
     assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[3]) == 0
 
@@ -142,7 +145,8 @@ def test_bf16_dot_upcast_flag_is_what_makes_the_interpreter_right():
             a, b, out, out, offs, M=16, N=16, K=16, G=1,
             s_ag=0, s_am=16, s_ak=1, s_bg=256, s_bk=16, s_bn=1, s_og=0, s_om=16, s_on=1,
             s_biasg=0, s_biasn=0, NUM_PROGRAMS=1, HAS_OFFS=True, HAS_BIAS=False,
-            BM=16, BN=16, BK=16, GROUP_M=1, ACC_DTYPE=tk.tl.float32, PRECISION="ieee", DOT_UPCAST=upcast)
+            BM=16, BN=16, BK=16, GROUP_M=1, ACC_DTYPE=tk.tl.float32, PRECISION="ieee", DOT_UPCAST=upcast,
+            EPILOGUE_SPLIT=False)
         outs[upcast] = (out.double() - ref).abs().max().item()
     assert outs[True] < 0.1 < outs[False], outs
 

@@ -29,7 +29,8 @@ with fp32 accumulation; fp64 accumulates in fp64. fp32 inputs use ``input_precis
 
 Index arithmetic: every row, column and K index is widened to int64 before it is multiplied by
 a stride, because M*K, M*N and G*K*N pass 2^31 on real MoE shapes (DeepSeek-V3's G*K*N =
-256*7168*2048 = 3.8e9 elements).
+256*7168*2048 = 3.8e9 elements). (Measured on the sm_90/sm_100 compiles: int32 offsets inside a
+tile plus a 64-bit tile origin did not save registers; it spilled more.)
 
 Interpreter: the same source is loaded a second time with Triton's interpreter switched on
 (``interpreted()``), which runs the kernels on CPU tensors. There ``DOT_UPCAST`` casts bf16
@@ -69,6 +70,7 @@ def _rows_kernel(
     HAS_OFFS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):
     """out[rows_g, :] = a[rows_g, :] @ b[g] (+ bias[g]) for every group g; zeros elsewhere.
 
@@ -125,11 +127,8 @@ def _rows_kernel(
                 acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC_DTYPE)
                 a_ptrs += BK * s_ak
                 b_ptrs += BK * s_bk
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + g64 * s_biasg + rn * s_biasn, mask=col_ok, other=0.0)
-                acc += bias.to(ACC_DTYPE)[None, :]
-            o_ptrs = out_ptr + g64 * s_og + rm[:, None] * s_om + rn[None, :] * s_on
-            tl.store(o_ptrs, acc.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
+            _epilogue(acc, out_ptr, g64 * s_og + rm * s_om, row_ok, n_tile * BN, N, s_on,
+                      bias_ptr, g64 * s_biasg, s_biasn, HAS_BIAS, BN, ACC_DTYPE, EPILOGUE_SPLIT)
             tile += NUM_PROGRAMS
         first += group_tiles
         start = tl.maximum(start, end)
@@ -158,6 +157,7 @@ def _ragged_k_kernel(
     NUM_PROGRAMS,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):
     """out[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g], :] for every group g.
 
@@ -168,7 +168,6 @@ def _ragged_k_kernel(
     num_m = (M + BM - 1) // BM
     num_n = (N + BN - 1) // BN
     per_group = num_m * num_n
-    out_ty = out_ptr.dtype.element_ty
     rm0 = tl.arange(0, BM).to(tl.int64)
     rn0 = tl.arange(0, BN).to(tl.int64)
     rk0 = tl.arange(0, BK).to(tl.int64)
@@ -204,8 +203,40 @@ def _ragged_k_kernel(
             acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC_DTYPE)
             a_ptrs += BK * s_ak
             b_ptrs += BK * s_bk
-        o_ptrs = out_ptr + tl.cast(g, tl.int64) * s_og + rm[:, None] * s_om + rn[None, :] * s_on
-        tl.store(o_ptrs, acc.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
+        _epilogue(acc, out_ptr, tl.cast(g, tl.int64) * s_og + rm * s_om, row_ok, n_tile * BN, N, s_on,
+                  out_ptr, 0, 0, False, BN, ACC_DTYPE, EPILOGUE_SPLIT)
+
+
+@triton.jit
+def _store_columns(part, out_ptr, row_off, row_ok, cols, N, s_on, bias_ptr, bias_off, s_biasn,
+                   HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """Add bias (fp32/fp64, before the one cast) and store a [rows, len(cols)] block of out."""
+    col_ok = cols < N
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + bias_off + cols * s_biasn, mask=col_ok, other=0.0)
+        part += bias.to(ACC_DTYPE)[None, :]
+    ptrs = out_ptr + row_off[:, None] + cols[None, :] * s_on
+    tl.store(ptrs, part.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _epilogue(acc, out_ptr, row_off, row_ok, col0, N, s_on, bias_ptr, bias_off, s_biasn,
+              HAS_BIAS: tl.constexpr, BN: tl.constexpr, ACC_DTYPE: tl.constexpr, SPLIT: tl.constexpr):
+    """Store a [BM, BN] accumulator tile whose first column is col0 (row_off: int64 [BM] row
+    offsets). SPLIT stores it as two [BM, BN/2] halves: with 128x256 fp32 tiles the addresses of
+    a whole tile next to its 128 accumulator registers per thread spilled 224-264 bytes per
+    thread on sm_90/sm_100; halves spilled 0-56."""
+    if SPLIT:
+        left, right = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, BN // 2)), (0, 2, 1)))
+        cols = col0 + tl.arange(0, BN // 2).to(tl.int64)
+        _store_columns(left, out_ptr, row_off, row_ok, cols, N, s_on, bias_ptr, bias_off, s_biasn,
+                       HAS_BIAS, ACC_DTYPE)
+        _store_columns(right, out_ptr, row_off, row_ok, cols + BN // 2, N, s_on, bias_ptr, bias_off,
+                       s_biasn, HAS_BIAS, ACC_DTYPE)
+    else:
+        cols = col0 + tl.arange(0, BN).to(tl.int64)
+        _store_columns(acc, out_ptr, row_off, row_ok, cols, N, s_on, bias_ptr, bias_off, s_biasn,
+                       HAS_BIAS, ACC_DTYPE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,6 +255,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 1
+    epilogue_split: bool = False  # store the accumulator as two column halves (see _epilogue)
 
 
 # Shared memory one program may use, KiB per SM: A100 (sm_80) 163, H100/H200 (sm_90) and
@@ -269,13 +301,14 @@ def tile_config(arch: int, dtype: torch.dtype, rows_per_group: Optional[int] = N
     stages = max(2, min(4, smem * 3 // 4 // per_stage))
     # A second program per SM hides the epilogue of the first when both fit (4-warp configs).
     per_sm = 2 if warps == 4 and 2 * stages * per_stage <= smem * 3 // 4 else 1
-    return TileConfig(BM, BN, BK, GROUP_M=8, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+    return TileConfig(BM, BN, BK, GROUP_M=8, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
+                      epilogue_split=BN >= 256)
 
 
 # The interpreter costs ~5 ms per tile operation whatever the tile size (numpy on whole blocks),
 # so it gets large tiles and few programs: G=8, M=1024, K=N=256 took 0.2 s with 128^3 tiles and
 # 9.6 s with 32x64x32 ones. Two programs still exercise the persistent walk.
-INTERPRETER_CONFIG = TileConfig(64, 64, 64, GROUP_M=4, num_warps=4, num_stages=1)
+INTERPRETER_CONFIG = TileConfig(64, 64, 64, GROUP_M=4, num_warps=4, num_stages=1, epilogue_split=True)
 INTERPRETER_PROGRAMS = 2
 
 
@@ -390,8 +423,9 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
     common = dict(
         BM=config.BM, BN=config.BN, BK=config.BK, GROUP_M=config.GROUP_M,
         ACC_DTYPE=_acc_dtype(p.dtype), PRECISION=_precision(p.dtype),
-        DOT_UPCAST=interpret and p.dtype == torch.bfloat16,
+        DOT_UPCAST=interpret and p.dtype == torch.bfloat16, EPILOGUE_SPLIT=config.epilogue_split,
     )
+
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
     def grid_size(tiles_bound):
@@ -430,11 +464,11 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
         row_tiles = p.G * triton.cdiv(M, config.BM)
     nprog = grid_size(row_tiles * triton.cdiv(N, config.BN))
     has_bias = bias is not None
+    s_bias = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
     kernels._rows_kernel[(nprog,)](
         a, b, o, bias if has_bias else o, offs if has_offs else o,
         M, N, p.K, p.G,
-        *s_a, b.stride(0), b.stride(1), b.stride(2), *s_o,
-        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
+        *s_a, b.stride(0), b.stride(1), b.stride(2), *s_o, *s_bias,
         nprog, HAS_OFFS=has_offs, HAS_BIAS=has_bias, **common, **launch,
     )
     return out
