@@ -89,7 +89,7 @@ def test_autograd_on_device(dtype):
     a, b, bias, offs = _problem(dtype=dtype)
     grads = []
     for device in ("cpu", "cuda"):
-        leaves = [t.to(device).requires_grad_(True) for t in (a, b, bias)]
+        leaves = [t.detach().to(device).requires_grad_(True) for t in (a, b, bias)]
         out = moe_ops.grouped_mm(leaves[0], leaves[1], offs.to(device), leaves[2])
         dout = torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape).to(device)
         grads.append(torch.autograd.grad(out, leaves, dout))
