@@ -1,0 +1,386 @@
+"""One blind run on a CUDA machine: the property suite on the device, then MoE benchmarks, as JSON.
+
+Usage, from anywhere (nothing is installed; the repository is put on sys.path):
+
+    python3 benchmarks/gpu_check.py --out "$OUT"          # suite + benchmarks, < 5 minutes
+    python3 benchmarks/gpu_check.py --out DIR --no-suite  # benchmarks only
+    python3 benchmarks/gpu_check.py --list                # the benchmark cases, no GPU needed
+
+Needs torch with CUDA and triton (tested against torch 2.13 / triton 3.9 here; written for
+torch >= 2.9 and triton >= 3.4 too); the suite needs pytest and hypothesis. Writes
+``gpu_check.json`` (updated after every step, so a run cut short keeps what it measured),
+``pytest.log`` and ``pytest.xml`` into the output directory.
+
+Phase 1, the suite: ``pytest tests -k "cuda and not compile and not interpreter"`` with
+MOE_OPS_REQUIRE_BACKENDS=cuda: the shared property suite for the implementations "cuda" (the
+backend's kernel on the GPU through run_here) and "op@cuda" (the whole op on CUDA tensors), the
+selection tests and tests/test_cuda_device.py (no host sync, CUDA-graph capture, autograd,
+results past 2^31 elements). Hypothesis draws ``--examples`` examples per property (this file
+is also loaded as a pytest plugin, ``-p gpu_check``, to set that), because every new argument
+specialisation costs a Triton compile.
+
+Phase 2, benchmarks, bf16: for each MoE shape (Mixtral 8x7B, DeepSeek-V3, Qwen3-30B-A3B expert
+GEMMs) and M routed rows, forward (2Dx3D) and forward+backward (adds 2Dx3D with mat_b
+transposed and the 2Dx2D weight gradient) of
+  * moe_ops.grouped_mm (the registered CUDA kernel, through the op),
+  * torch._grouped_mm (CUTLASS on sm_90/sm_100),
+  * a loop of torch.mm over the groups (host-side group bounds computed once, outside timing:
+    the loop's best case; a real loop syncs to read offs),
+  * dense torch.mm with the same FLOPs ([M, K] @ [K, N]), the throughput ceiling.
+Group sizes are a Dirichlet(1) split of M in multiples of 16 rows (seeded). Each result is
+checked against the loop before it is timed. Times are medians of CUDA-event timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name: (G experts, K = hidden size, N = expert intermediate size) of the first expert GEMM.
+MODELS = {
+    "mixtral-8x7b": (8, 4096, 14336),
+    "deepseek-v3": (256, 7168, 2048),
+    "qwen3-30b-a3b": (128, 2048, 768),
+}
+# M, routed rows (tokens x top-k) per grouped GEMM. The middle size goes first so that a run cut
+# short by its time budget still has every model.
+TOKENS = (16384, 65536, 4096)
+ALIGN = 16
+# Issue #3's goals when measured on Hopper or Blackwell.
+LARGE_EXPERT_MODELS = ("mixtral-8x7b", "deepseek-v3")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench-out"),
+                   help="directory for gpu_check.json, pytest.log, pytest.xml (default: $OUT or bench-out)")
+    p.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget of the whole run (s)")
+    p.add_argument("--suite-s", type=float, default=150.0, help="at most this long for the test suite (s)")
+    p.add_argument("--examples", type=int, default=20, help="hypothesis examples per property test")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated routed-row counts M")
+    p.add_argument("--no-suite", action="store_true", help="skip the test suite")
+    p.add_argument("--no-bench", action="store_true", help="skip the benchmarks")
+    p.add_argument("--list", action="store_true", help="print the benchmark cases and exit")
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; known: {list(MODELS)}")
+    args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    if any(t < ALIGN or t % ALIGN for t in args.tokens):
+        p.error(f"--tokens must be positive multiples of {ALIGN}")
+    return args
+
+
+def cases(models, tokens) -> list:
+    """The benchmark cases, in run order: [{"model", "G", "K", "N", "M"}]."""
+    return [dict(model=m, G=MODELS[m][0], K=MODELS[m][1], N=MODELS[m][2], M=t) for t in tokens for m in models]
+
+
+def group_sizes(M: int, G: int, seed: int = 0, align: int = ALIGN) -> list:
+    """G group sizes, multiples of ``align``, summing to M: a Dirichlet(1) split (empty groups occur)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    units = M // align
+    weights = -torch.log(torch.rand(G, generator=gen, dtype=torch.float64))  # Exp(1) -> Dirichlet(1)
+    counts = torch.floor(weights / weights.sum() * units).to(torch.int64)
+    counts[torch.argmax(weights)] += units - int(counts.sum())
+    return [int(c) * align for c in counts]
+
+
+def flops(case: dict, direction: str) -> float:
+    """Useful FLOPs: 2*M*K*N forward; backward adds d mat_a and d mat_b (2x the forward)."""
+    forward = 2.0 * case["M"] * case["K"] * case["N"]
+    return forward if direction == "forward" else 3.0 * forward
+
+
+class Report:
+    """The JSON document, rewritten after every step."""
+
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / "gpu_check.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.data = {"script": "benchmarks/gpu_check.py", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                     "complete": False}
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        tmp.replace(self.path)
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "cuda_available": torch.cuda.is_available()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception as e:  # the run continues: the op then uses the reference
+        env["triton"] = f"not importable: {e}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, capability=f"sm_{props.major}{props.minor}", sms=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1))
+    return env
+
+
+# ----------------------------------------------------------------------------------------------
+# Phase 1: the test suite on the device
+
+
+def pytest_configure(config):
+    """Pytest plugin hook (``-p gpu_check``): fewer hypothesis examples, set by the parent run."""
+    examples = os.environ.get("MOE_OPS_GPU_CHECK_EXAMPLES")
+    if not examples:
+        return
+    from hypothesis import settings
+
+    try:
+        parent = settings.get_profile("ci")
+    except Exception:
+        parent = settings.default
+    settings.register_profile("gpu-check", parent=parent, max_examples=int(examples))
+    settings.load_profile("gpu-check")
+
+
+def run_suite(out_dir: Path, timeout_s: float, examples: int) -> dict:
+    missing = [m for m in ("pytest", "hypothesis") if not _importable(m)]
+    if missing:
+        return {"status": "skipped", "reason": f"not installed: {', '.join(missing)}"}
+    log_path, xml_path = out_dir / "pytest.log", out_dir / "pytest.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "tests", "-k", "cuda and not compile and not interpreter",
+           "-p", "gpu_check", "-p", "no:cacheprovider", f"--junitxml={xml_path}"]
+    env = dict(os.environ, MOE_OPS_REQUIRE_BACKENDS="cuda", MOE_OPS_GPU_CHECK_EXAMPLES=str(examples),
+               PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=max(timeout_s, 10)).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    text = log_path.read_text(errors="replace")
+    summary = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", text.splitlines()[-1] if text else "")}
+    result = {"command": " ".join(cmd), "returncode": rc, "seconds": round(time.perf_counter() - start, 1),
+              "summary": summary, "status": "timeout" if rc is None else ("passed" if rc == 0 else "failed")}
+    if rc != 0:
+        result["failures"] = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))][:40]
+        result["log_tail"] = text[-4000:]
+    return result
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Phase 2: benchmarks
+
+
+def _time_ms(fn, device, budget_s: float = 0.4, max_reps: int = 25) -> float:
+    """Median time of one call in ms: warm-up (compiles), then timings of batches of calls long
+    enough (>= ~1 ms) that launch gaps do not dominate small problems. CUDA events on a GPU;
+    the wall clock on CPU (used only by the CPU test of this script)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    once = time.perf_counter() - t0
+    inner = max(1, min(50, int(1e-3 / max(once, 1e-6))))
+    times = []
+    start = time.perf_counter()
+    while len(times) < 3 or (len(times) < max_reps and time.perf_counter() - start < budget_s):
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / inner)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / inner)
+    return statistics.median(times)
+
+
+def _rel_err(x, ref) -> float:
+    x, ref = x.detach().float(), ref.detach().float()
+    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float = 0.4) -> dict:
+    """Check and time one case (see the module docstring); every failure is recorded, not raised."""
+    import torch
+
+    import moe_ops
+
+    dev, dtype = torch.device(device), torch.bfloat16
+    G, K, N, M = case["G"], case["K"], case["N"], case["M"]
+    sizes = group_sizes(M, G, seed)
+    ends = torch.tensor(sizes).cumsum(0)
+    bounds = list(zip([0] + ends.tolist()[:-1], ends.tolist()))
+    offs = ends.to(device=dev, dtype=torch.int32)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    a = (torch.randn(M, K, device=dev, generator=gen) * K ** -0.5).to(dtype)
+    b = torch.randn(G, K, N, device=dev, generator=gen).to(dtype)
+    w = torch.randn(K, N, device=dev, generator=gen).to(dtype)
+    dy = (torch.randn(M, N, device=dev, generator=gen) * N ** -0.5).to(dtype)
+    result = dict(case, group_sizes={"min": min(sizes), "max": max(sizes), "empty": sizes.count(0)},
+                  flops_forward=flops(case, "forward"), impls={})
+
+    def loop(x, y):
+        return torch.cat([x[s:e] @ y[g] for g, (s, e) in enumerate(bounds)])
+
+    # torch._grouped_mm gets mat_b row-major if it takes it, else column-major ([G, N, K] storage
+    # viewed as [G, K, N]), decided once, outside the timings.
+    b_torch = b
+    try:
+        torch._grouped_mm(a, b, offs=offs)
+    except Exception as e:
+        result["torch._grouped_mm row-major mat_b"] = f"{type(e).__name__}: {e}"[:300]
+        b_torch = b.transpose(1, 2).contiguous().transpose(1, 2)
+
+    forward = {  # name: (function, mat_a, mat_b)
+        "moe_ops": (lambda x, y: moe_ops.grouped_mm(x, y, offs), a, b),
+        "torch._grouped_mm": (lambda x, y: torch._grouped_mm(x, y, offs=offs), a, b_torch),
+        "loop_torch.mm": (loop, a, b),
+        "dense_torch.mm": (lambda x, y: x @ y, a, w),
+    }
+    # Correctness first, against the loop (bf16 matmuls with fp32 accumulation).
+    ref_leaves = [a.clone().requires_grad_(True), b.clone().requires_grad_(True)]
+    ref_out = loop(*ref_leaves)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dy)
+    moe_ops.reset_kernel_counts()
+    for name, (f, x, y) in forward.items():
+        entry = result["impls"][name] = {}
+        try:
+            if name in ("moe_ops", "torch._grouped_mm"):
+                leaves = [x.clone().requires_grad_(True), y.clone().requires_grad_(True)]
+                out = f(*leaves)
+                grads = torch.autograd.grad(out, leaves, dy)
+                entry["rel_err"] = {"out": _rel_err(out, ref_out), "d_mat_a": _rel_err(grads[0], ref_grads[0]),
+                                    "d_mat_b": _rel_err(grads[1], ref_grads[1])}
+                entry["correct"] = all(v < 2e-2 for v in entry["rel_err"].values())
+                del out, grads, leaves
+            entry["forward_ms"] = _time_ms(lambda: f(x, y), dev, budget_s)
+            params = [x.clone().requires_grad_(True), y.clone().requires_grad_(True)]
+            entry["forward_backward_ms"] = _time_ms(lambda: torch.autograd.grad(f(*params), params, dy), dev, budget_s)
+            entry["backward_ms"] = entry["forward_backward_ms"] - entry["forward_ms"]
+            entry["forward_tflops"] = flops(case, "forward") / entry["forward_ms"] * 1e-9
+            entry["backward_tflops"] = 2 * flops(case, "forward") / max(entry["backward_ms"], 1e-6) * 1e-9
+            params = None  # frees the parameter copies before the next implementation
+        except Exception as e:  # one baseline failing (e.g. _grouped_mm on an older GPU) is data
+            entry["error"] = f"{type(e).__name__}: {e}"[:500]
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        if name == "moe_ops":
+            result["moe_ops_kernels"] = moe_ops.kernel_counts()
+    ours = result["impls"]["moe_ops"]
+    for name in ("torch._grouped_mm", "loop_torch.mm", "dense_torch.mm"):
+        other = result["impls"][name]
+        for phase in ("forward_ms", "backward_ms"):
+            if phase in ours and phase in other:
+                result.setdefault("speedup_vs", {}).setdefault(name, {})[phase[:-3]] = other[phase] / ours[phase]
+    return result
+
+
+def goals(results: list) -> dict:
+    """Issue #3's targets, evaluated on what was measured (informational; for Hopper/Blackwell)."""
+    out = {}
+    for r in results:
+        s = r.get("speedup_vs", {})
+        key = f"{r['model']}@{r['M']}"
+        g = {}
+        if r["model"] in LARGE_EXPERT_MODELS and "dense_torch.mm" in s:
+            g["forward >= 70% of dense"] = s["dense_torch.mm"]["forward"] >= 0.7
+        for phase in s.get("torch._grouped_mm", {}):
+            g[f"{phase} not slower than _grouped_mm"] = s["torch._grouped_mm"][phase] >= 1.0
+        if r["G"] >= 128 and "loop_torch.mm" in s:
+            g["forward >= 1.5x loop"] = s["loop_torch.mm"]["forward"] >= 1.5
+        out[key] = g
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for c in cases(args.models, args.tokens):
+            print(f"{c['model']:>14}  G={c['G']:<4} K={c['K']:<5} N={c['N']:<6} M={c['M']}")
+        return 0
+    deadline = time.perf_counter() + args.budget_s
+    sys.path.insert(0, str(REPO))
+    out_dir = Path(args.out)
+    report = Report(out_dir)
+    report.data["args"] = {k: v for k, v in vars(args).items() if k != "list"}
+    report.data["environment"] = environment()
+    report.write()
+    import torch
+
+    if not torch.cuda.is_available():
+        report.data["error"] = "no CUDA device: nothing was run"
+        report.write()
+        print(f"gpu_check: no CUDA device; wrote {report.path}", file=sys.stderr)
+        return 2
+    import moe_ops
+    from moe_ops import backends
+
+    report.data["backends"] = [dataclasses.asdict(s) for s in backends.statuses()]
+    report.write()
+    if not args.no_suite:
+        budget = min(args.suite_s, deadline - time.perf_counter() - 60)
+        print(f"gpu_check: test suite (up to {budget:.0f} s)", flush=True)
+        report.data["suite"] = run_suite(out_dir, budget, args.examples)
+        report.write()
+        print(f"gpu_check: suite {report.data['suite'].get('status')} {report.data['suite'].get('summary', '')}", flush=True)
+    if not args.no_bench:
+        results = report.data["benchmarks"] = []
+        for case in cases(args.models, args.tokens):
+            if time.perf_counter() > deadline - 15:
+                report.data.setdefault("not_run", []).append(case)
+                continue
+            print(f"gpu_check: bench {case}", flush=True)
+            try:
+                results.append(bench_case(case))
+            except Exception:
+                results.append(dict(case, error=traceback.format_exc()[-2000:]))
+            torch.cuda.empty_cache()
+            report.data["goals"] = goals([r for r in results if "impls" in r])
+            report.write()
+    report.data["complete"] = True
+    report.data["kernel_counts"] = moe_ops.kernel_counts()
+    report.write()
+    print(f"gpu_check: wrote {report.path}")
+    suite = report.data.get("suite", {})
+    return 1 if suite.get("status") in ("failed", "timeout") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The CUDA backend on a real GPU (skipped without one; benchmarks/gpu_check.py runs these).
+
+Categories:
+* no host sync: the op, forward and backward, under torch.cuda.set_sync_debug_mode("error");
+* CUDA-graph capture: a captured call follows new offs values written into the same tensor;
+* the kernel that served: "cuda:triton" on sm_80+ (kernel_counts);
+* autograd on the device against the CPU reference;
+* 64-bit indices for real: results of more than 2^31 elements (2Dx3D [M, N] and 2Dx2D [G, M, N]).
+The property suite covers the forward contract on the device (implementations "cuda" and
+"op@cuda" in tests/test_properties.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_ops
+from moe_ops import reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _older_than_sm80():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0)
+
+
+def _problem(M=300, K=96, N=80, G=5, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=gen).to(dtype)
+    b = torch.randn(G, K, N, generator=gen).to(dtype)
+    bias = torch.randn(G, N, generator=gen).to(dtype)
+    offs = torch.tensor([40, 40, 170, 260, 290][:G], dtype=torch.int32)
+    return a, b, bias, offs
+
+
+def _close(out, ref, rtol):
+    err = (out.float().cpu() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item() + 1e-6
+    assert err <= rtol * scale, f"max abs error {err:.3e} vs scale {scale:.3e}"
+
+
+def test_no_host_sync_forward_and_backward():
+    a, b, bias, offs = (t.cuda() for t in _problem())
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+    bias.requires_grad_(True)
+
+    def step():
+        out = moe_ops.grouped_mm(a, b, offs, bias, out_dtype=torch.float32)
+        torch.autograd.grad(out, (a, b, bias), torch.ones_like(out))  # 2Dx3D, 2Dx2D, bias sum
+        moe_ops.grouped_mm(a.detach().t(), out.detach().to(a.dtype), offs)  # 2Dx2D, x.T @ grad
+
+    step()  # compiles the kernels outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_graph_follows_offs_on_device():
+    a, b, bias, offs = (t.cuda() for t in _problem())
+    moe_ops.grouped_mm(a, b, offs, bias)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_ops.grouped_mm(a, b, offs, bias)
+    for new in ([10, 100, 100, 200, 300], [0, 0, 0, 0, 0], [300, 300, 300, 300, 300], [5, 6, 7, 8, 9]):
+        offs.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.grouped_mm(a.cpu(), b.cpu(), offs.cpu(), bias.cpu())
+        _close(out, ref, 1e-2)
+        assert torch.count_nonzero(out[new[-1]:]) == 0
+
+
+@pytest.mark.skipif(_older_than_sm80(), reason="the Triton kernels need sm_80 or newer")
+def test_served_by_triton():
+    a, b, bias, offs = (t.cuda() for t in _problem())
+    moe_ops.reset_kernel_counts()
+    moe_ops.grouped_mm(a, b, offs, bias)
+    assert moe_ops.kernel_counts() in ({"cuda:triton": 1}, {"cuda:blackwell": 1})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_autograd_on_device(dtype):
+    a, b, bias, offs = _problem(dtype=dtype)
+    grads = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.detach().to(device).requires_grad_(True) for t in (a, b, bias)]
+        out = moe_ops.grouped_mm(leaves[0], leaves[1], offs.to(device), leaves[2])
+        dout = torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape).to(device)
+        grads.append(torch.autograd.grad(out, leaves, dout))
+    rtol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for cpu_grad, cuda_grad in zip(*grads):
+        _close(cuda_grad, cpu_grad, rtol)
+
+
+def _enough_memory(gib):
+    free, _ = torch.cuda.mem_get_info()
+    return free > gib * 2**30
+
+
+def test_results_past_2_31_elements():
+    if not _enough_memory(16):
+        pytest.skip("needs 16 GiB of free GPU memory")
+    # 2Dx3D: out [140000, 16384] bf16 = 2.29e9 elements (4.6 GB); the last group ends before M.
+    M, K, N = 140_000, 32, 16_384
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
+    b = torch.randn(2, K, N, device="cuda", generator=gen).to(torch.bfloat16)
+    offs = torch.tensor([70_000, 139_990], device="cuda")
+    out = moe_ops.grouped_mm(a, b, offs)
+    for rows, g in ((slice(0, 64), 0), (slice(69_990, 70_000), 0), (slice(70_000, 70_010), 1), (slice(139_900, 139_990), 1)):
+        _close(out[rows], (a[rows].float() @ b[g].float()).cpu(), 1e-2)
+    assert torch.count_nonzero(out[139_990:]) == 0
+    del out
+    # 2Dx2D: out [2, 33000, 33000] fp32 = 2.18e9 elements (8.7 GB); K groups of 40 and 24.
+    a2 = torch.randn(33_000, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    b2 = torch.randn(64, 33_000, device="cuda", generator=gen).to(torch.bfloat16)
+    out2 = moe_ops.grouped_mm(a2, b2, torch.tensor([40, 64], device="cuda"), out_dtype=torch.float32)
+    for rows in (slice(0, 8), slice(32_990, 33_000)):
+        _close(out2[1, rows, -512:], (a2[rows, 40:].float() @ b2[40:, -512:].float()).cpu(), 1e-2)

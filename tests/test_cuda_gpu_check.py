@@ -1,0 +1,108 @@
+"""benchmarks/gpu_check.py without a GPU: it imports, parses its arguments, builds its cases and
+group sizes, and refuses to report anything when there is no CUDA device.
+
+The GPU phases themselves (suite on the device, benchmarks) run only on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arguments(gpu_check, tmp_path):
+    args = gpu_check.parse_args(["--out", str(tmp_path), "--models", "qwen3-30b-a3b", "--tokens", "4096,8192"])
+    assert args.models == ["qwen3-30b-a3b"] and args.tokens == [4096, 8192] and args.budget_s < 300
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--models", "gpt-5"])
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--tokens", "1000"])  # not a multiple of 16
+
+
+def test_cases_cover_every_model_at_every_size(gpu_check):
+    cases = gpu_check.cases(list(gpu_check.MODELS), list(gpu_check.TOKENS))
+    assert len(cases) == 9
+    assert {(c["model"], c["M"]) for c in cases} == {(m, t) for m in gpu_check.MODELS for t in (4096, 16384, 65536)}
+    assert [c["M"] for c in cases[:3]] == [16384] * 3  # every model before the largest sizes
+    deepseek = next(c for c in cases if c["model"] == "deepseek-v3")
+    assert (deepseek["G"], deepseek["K"], deepseek["N"]) == (256, 7168, 2048)
+
+
+@pytest.mark.parametrize("M,G", [(4096, 256), (16384, 8), (65536, 128), (16, 3)])
+def test_group_sizes(gpu_check, M, G):
+    sizes = gpu_check.group_sizes(M, G, seed=3)
+    assert len(sizes) == G and sum(sizes) == M
+    assert all(s >= 0 and s % 16 == 0 for s in sizes)
+    assert sizes == gpu_check.group_sizes(M, G, seed=3)
+    if G == 256:
+        assert sizes.count(0) > 0  # 256 experts over 256 units of 16 rows: some get none
+
+
+def test_flops(gpu_check):
+    case = dict(model="x", G=8, K=4096, N=14336, M=4096)
+    assert gpu_check.flops(case, "forward") == 2 * 4096 * 4096 * 14336
+    assert gpu_check.flops(case, "backward") == 3 * gpu_check.flops(case, "forward")
+
+
+def test_list_needs_no_gpu(gpu_check, capsys):
+    assert gpu_check.main(["--list"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 9
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine without a CUDA device")
+def test_without_a_gpu_it_reports_nothing_measured(gpu_check, tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["error"].startswith("no CUDA device")
+    assert data["environment"]["cuda_available"] is False
+    assert "benchmarks" not in data and "suite" not in data
+
+
+def test_goals_are_read_from_speedups(gpu_check):
+    result = dict(model="deepseek-v3", M=4096, G=256, speedup_vs={
+        "dense_torch.mm": {"forward": 0.8, "backward": 0.6},
+        "torch._grouped_mm": {"forward": 1.1, "backward": 0.9},
+        "loop_torch.mm": {"forward": 1.2, "backward": 2.0}})
+    assert gpu_check.goals([result])["deepseek-v3@4096"] == {
+        "forward >= 70% of dense": True, "forward not slower than _grouped_mm": True,
+        "backward not slower than _grouped_mm": False, "forward >= 1.5x loop": False}
+
+
+def test_pytest_plugin_hook_sets_the_example_budget(gpu_check, monkeypatch):
+    from hypothesis import settings
+
+    monkeypatch.setenv("MOE_OPS_GPU_CHECK_EXAMPLES", "7")
+    try:
+        gpu_check.pytest_configure(None)
+        assert settings().max_examples == 7
+        assert settings().derandomize == settings.get_profile("ci").derandomize
+    finally:
+        settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def test_benchmark_code_path_runs_on_cpu_tensors(gpu_check):
+    """The benchmark body on a tiny CPU problem, so that a Python error cannot waste the blind GPU
+    run. The numbers are CPU wall-clock times of the reference and are not reported anywhere."""
+    result = gpu_check.bench_case(dict(model="tiny", G=4, K=32, N=48, M=64), device="cpu", budget_s=0.01)
+    assert set(result["impls"]) == {"moe_ops", "torch._grouped_mm", "loop_torch.mm", "dense_torch.mm"}
+    ours = result["impls"]["moe_ops"]
+    assert "error" not in ours, ours
+    assert ours["correct"] and ours["forward_ms"] > 0 and ours["forward_backward_ms"] > 0
+    assert set(result["speedup_vs"]["loop_torch.mm"]) == {"forward", "backward"}
+    assert result["group_sizes"]["min"] >= 0 and result["moe_ops_kernels"]
+    json.dumps(result)

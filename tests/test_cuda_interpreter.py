@@ -1,0 +1,258 @@
+"""The CUDA backend's Triton kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET).
+
+Categories:
+* tile schedule: BM-row blocks straddling group boundaries, several tiles per persistent
+  program, partial tiles in every dimension, empty groups, rows past offs[-1];
+* every element is written: outputs pre-filled with NaN come back with exact zeros where the
+  contract says (tail rows, empty 2Dx2D groups), so ``torch.empty`` outputs are safe;
+* layouts and options: transposed mat_b (strides, no copy), 2Dx2D with fp32 output, 3Dx3D with
+  strided operands and bias, 3Dx2D through the transposition identity, fp64;
+* 64-bit indices: operands whose element offsets pass 2^31, in a sparse memory-mapped file;
+* the interpreter-only bf16 upcast flag, and the registered kernel through the dispatcher.
+
+These run the same kernels as a GPU would, with small tiles (TileConfig) where a test needs many
+tiles; the interpreter costs ~5 ms per tile operation, so shapes stay small.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import moe_ops
+from moe_ops import _contract
+from moe_ops.testing import assert_close
+from oracle import magnitude, oracle
+
+tk = pytest.importorskip("moe_ops.backends.cuda.triton_kernels", reason="triton is not installed (pip install triton==3.9.0)")
+
+SMALL = tk.TileConfig(16, 16, 16, GROUP_M=2)
+SMALL_SPLIT = tk.TileConfig(16, 32, 16, GROUP_M=2, epilogue_split=True)  # the 128x256 epilogue path
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _check(out, a, b, offs=None, bias=None, out_dtype=None, what=""):
+    ref64 = oracle(a, b, offs, bias, out_dtype, exact=True)
+    ref_same = oracle(a, b, offs, bias, out_dtype, exact=False)
+    assert_close(out, ref64, ref_same, magnitude(a, b, offs, bias), what=what)
+
+
+def _run(a, b, offs=None, bias=None, out_dtype=None, *, config=SMALL, programs=3):
+    """The interpreted kernels writing into a NaN-filled output (so unwritten elements show)."""
+    p = _contract.check_args(a, b, offs, bias, out_dtype)
+    out = torch.full(p.out_shape, float("nan"), dtype=p.out_dtype)
+    tk.grouped_mm(p, a, b, offs, bias, interpret=True, config=config, programs=programs, out=out)
+    return out
+
+
+def _randn(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("config", [SMALL, SMALL_SPLIT], ids=["whole-epilogue", "split-epilogue"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_straddling_tiles_empty_groups_and_tail(dtype, config):
+    # 16-row tiles; group ends 5, 21, 21, 40, 61 cut tiles mid-way; group 2 is empty; rows
+    # 61..69 are past offs[-1]. K = 40 is 2.5 K steps, N = 40 is 2.5 (or 1.25) column tiles;
+    # 3 programs walk the tiles.
+    a = _randn(70, 40, dtype=dtype, seed=1)
+    b = _randn(5, 40, 40, dtype=dtype, seed=2)
+    offs = torch.tensor([5, 21, 21, 40, 61], dtype=torch.int32)
+    out = _run(a, b, offs, config=config)
+    _check(out, a, b, offs, what=f"2d3d {dtype}")
+    assert torch.count_nonzero(out[61:]) == 0
+
+
+def test_no_rows_in_any_group_gives_zeros():
+    a = _randn(37, 16, dtype=torch.float32, seed=3)
+    b = _randn(3, 16, 20, dtype=torch.float32, seed=4)
+    out = _run(a, b, torch.zeros(3, dtype=torch.int64))
+    assert torch.equal(out, torch.zeros(37, 20))
+
+
+def test_one_group_takes_every_row():
+    a = _randn(50, 32, dtype=torch.float16, seed=5)
+    b = _randn(4, 32, 24, dtype=torch.float16, seed=6)
+    offs = torch.tensor([0, 0, 50, 50])
+    _check(_run(a, b, offs), a, b, offs, what="all rows to group 2")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_transposed_mat_b_with_bias_and_fp32_out(dtype):
+    # The input gradient's layout: mat_b is a [G, N, K] tensor viewed as [G, K, N].
+    a = _randn(45, 48, dtype=dtype, seed=7)
+    b_nk = _randn(3, 24, 48, dtype=dtype, seed=8)
+    b = b_nk.transpose(1, 2)
+    bias = _randn(3, 24, dtype=dtype, seed=9)
+    offs = torch.tensor([10, 10, 41])
+    out = _run(a, b, offs, bias, torch.float32, config=SMALL_SPLIT)
+    assert out.dtype == torch.float32
+    _check(out, a, b, offs, bias, torch.float32, what=f"transposed mat_b {dtype}")
+    assert torch.count_nonzero(out[41:]) == 0, "bias must not leak into rows past offs[-1]"
+
+
+@pytest.mark.parametrize("config", [SMALL, SMALL_SPLIT], ids=["whole-epilogue", "split-epilogue"])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_2d2d_ragged_k_empty_groups(out_dtype, config):
+    # The weight gradient: mat_a = x.t() of a [K, M] activation (column-major), groups over K
+    # with empty groups 1 and 3 and K past offs[-1]; their [M, N] slices must be exact zeros.
+    x = _randn(60, 20, dtype=torch.bfloat16, seed=10)
+    a = x.t()
+    b = _randn(60, 36, dtype=torch.bfloat16, seed=11)
+    offs = torch.tensor([17, 17, 50, 50], dtype=torch.int32)
+    out = _run(a, b, offs, out_dtype=out_dtype, config=config)
+    _check(out, a, b, offs, out_dtype=out_dtype, what="2d2d")
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[3]) == 0
+
+
+def test_3d3d_strided_operands_with_bias():
+    a = _randn(3, 20, 64, dtype=torch.float32, seed=12)[:, :, ::2]  # [3, 20, 32], K stride 2
+    b = _randn(3, 24, 32, dtype=torch.float32, seed=13).transpose(1, 2)  # [3, 32, 24]
+    bias = _randn(3, 48, dtype=torch.float32, seed=14)[:, ::2]
+    _check(_run(a, b, None, bias), a, b, None, bias, what="3d3d")
+
+
+def test_3d2d_through_the_transposition_identity():
+    a = _randn(4, 18, 32, dtype=torch.float16, seed=15)
+    b = _randn(32, 45, dtype=torch.float16, seed=16)
+    offs = torch.tensor([7, 7, 30, 38])
+    out = _run(a, b, offs)
+    _check(out, a, b, offs, what="3d2d")
+    assert torch.count_nonzero(out[:, 38:]) == 0
+
+
+def test_default_interpreter_config():
+    a = _randn(100, 40, dtype=torch.bfloat16, seed=17)
+    b = _randn(6, 40, 30, dtype=torch.bfloat16, seed=18)
+    offs = torch.tensor([3, 3, 40, 70, 70, 90])
+    _check(_run(a, b, offs, config=tk.INTERPRETER_CONFIG, programs=tk.INTERPRETER_PROGRAMS), a, b, offs)
+
+
+def test_bf16_dot_upcast_flag_is_what_makes_the_interpreter_right():
+    """Canary: the interpreter's bf16 tl.dot multiplies raw bits (triton-lang/triton#11584), which
+    is why interpreted bf16 kernels cast tiles to fp32 (DOT_UPCAST). If this starts failing,
+    Triton fixed the bug and the flag can go."""
+    a = _randn(16, 16, dtype=torch.bfloat16, seed=19)
+    b = _randn(1, 16, 16, dtype=torch.bfloat16, seed=20)
+    offs = torch.tensor([16])
+    ref = oracle(a, b, offs, exact=True)
+    outs = {}
+    for upcast in (False, True):
+        out = torch.empty(16, 16, dtype=torch.bfloat16)
+        tk.interpreted()._rows_kernel[(1,)](
+            a, b, out, out, offs, M=16, N=16, K=16, G=1,
+            s_ag=0, s_am=16, s_ak=1, s_bg=256, s_bk=16, s_bn=1, s_og=0, s_om=16, s_on=1,
+            s_biasg=0, s_biasn=0, NUM_PROGRAMS=1, HAS_OFFS=True, HAS_BIAS=False,
+            BM=16, BN=16, BK=16, GROUP_M=1, ACC_DTYPE=tk.tl.float32, PRECISION="ieee", DOT_UPCAST=upcast,
+            EPILOGUE_SPLIT=False)
+        outs[upcast] = (out.double() - ref).abs().max().item()
+    assert outs[True] < 0.1 < outs[False], outs
+
+
+def test_64bit_element_offsets(tmp_path):
+    """Operands whose element offsets pass 2^31 (row / group strides of ~2^31 - 2^20 elements).
+
+    They live in a sparse memory-mapped file: 16 GiB of address space, a few KiB of pages
+    touched. 32-bit offset arithmetic would wrap to offsets ~2^32 elements too low; the views
+    start 2^32 elements into the mapping, so a wrap reads the mapping's zero pages (a wrong
+    result, not a crash).
+    """
+    dtype = torch.float16
+    stride = 2**31 - 2**20
+    start = 2**32
+    M, K, N, G = 3, 16, 16, 3
+    elements = start + 4 * stride + 4096
+    path = tmp_path / "sparse.bin"
+    with open(path, "wb") as f:
+        f.truncate(elements * 2)
+    storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=elements * 2)
+    base = torch.empty(0, dtype=dtype).set_(storage, 0, (elements,), (1,))
+    # mat_a [3, 16]: row r at start + r * stride (rows 1 and 2 pass 2^31 past the view's start).
+    a = base.as_strided((M, K), (stride, 1), start)
+    a.copy_(_randn(M, K, dtype=dtype, seed=21))
+    # mat_b [3, 16, 16]: group g at start + 2048 + g * stride.
+    b = base.as_strided((G, K, N), (stride, N, 1), start + 2048)
+    b.copy_(_randn(G, K, N, dtype=dtype, seed=22))
+    offs = torch.tensor([1, 2, 3])
+    a_small, b_small = a.clone(), b.clone()
+    out = _run(a, b, offs, programs=1)
+    _check(out, a_small, b_small, offs, what="64-bit offsets 2d3d")
+    # 2d2d with the ragged K dimension strided by ~2^31: out[g] = a2[:, k_g] @ b2[k_g].
+    K2 = 4
+    a2 = base.as_strided((M, K2), (1, stride), start + 8192)  # K columns ~2^31 apart
+    a2.copy_(_randn(M, K2, dtype=dtype, seed=23))
+    b2 = base.as_strided((K2, N), (stride, 1), start + 16384)
+    b2.copy_(_randn(K2, N, dtype=dtype, seed=24))
+    offs2 = torch.tensor([1, 1, 4])
+    _check(_run(a2, b2, offs2, programs=1), a2.clone(), b2.clone(), offs2, what="64-bit offsets 2d2d")
+    del a, b, a2, b2, base, storage
+
+
+def test_fp32_precision_is_ieee_unless_opted_in(monkeypatch):
+    monkeypatch.delenv(tk.FP32_PRECISION_ENV, raising=False)
+    assert tk.fp32_precision() == "ieee"
+    assert tk._precision(torch.float32) == "ieee"
+    ieee_cfg = tk.tile_config(90, torch.float32)
+    monkeypatch.setenv(tk.FP32_PRECISION_ENV, "tf32")
+    assert tk._precision(torch.float32) == "tf32"
+    assert tk.tile_config(90, torch.float32) != ieee_cfg  # tf32 runs on tensor cores: 16-bit tile shape
+    monkeypatch.setenv(tk.FP32_PRECISION_ENV, "fast")
+    with pytest.raises(ValueError, match="MOE_OPS_CUDA_FP32_PRECISION"):
+        tk.fp32_precision()
+
+
+# Shared memory per SM that one program may use (KiB): A100 164, sm_86/89 100, H100 227, B200 227,
+# sm_120 100. Triton needs the pipelined operand tiles plus some scratch for the epilogue.
+_SMEM_KIB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99}
+
+
+@pytest.mark.parametrize("arch", sorted(_SMEM_KIB))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("rows_per_group", [None, 16])
+def test_tile_configs_fit_shared_memory(arch, dtype, rows_per_group):
+    cfg = tk.tile_config(arch, dtype, rows_per_group)
+    element = torch.finfo(dtype).bits // 8
+    pipelines = (cfg.BM * cfg.BK + cfg.BK * cfg.BN) * element * cfg.num_stages * cfg.programs_per_sm
+    assert pipelines <= _SMEM_KIB[arch] * 1024 * 0.9, (arch, dtype, cfg, pipelines)
+    assert cfg.BM >= 16 and cfg.BN >= 16 and cfg.BK >= 16  # tl.dot's minimum
+    if rows_per_group is not None and dtype in HALF:
+        assert cfg.BM == 64
+
+
+def _dispatch_cuda_kernel(*args):
+    """Run the op's CUDA kernel on CPU tensors (the dispatcher's CUDA entry, skipping device checks)."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    return torch.ops.moe.grouped_mm.default.redispatch(keys, *args)
+
+
+def test_registered_cuda_kernel_through_the_dispatcher():
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("moe::grouped_mm", "CUDA")
+    a = _randn(30, 32, dtype=torch.bfloat16, seed=25)
+    b = _randn(3, 32, 20, dtype=torch.bfloat16, seed=26)
+    bias = _randn(3, 20, dtype=torch.bfloat16, seed=27)
+    offs = torch.tensor([4, 4, 25])
+    moe_ops.reset_kernel_counts()
+    out = _dispatch_cuda_kernel(a, b, offs, bias, torch.float32)
+    assert moe_ops.kernel_counts() == {"cuda:triton-interpreter": 1}
+    _check(out, a, b, offs, bias, torch.float32, what="dispatcher")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _dispatch_cuda_kernel(a, b, torch.tensor([4, 3, 25]), None, None)  # kernel_entry's checks
+
+
+def test_without_triton_the_kernel_falls_back_to_the_reference_and_logs_once(monkeypatch, caplog):
+    from moe_ops.backends import cuda
+
+    monkeypatch.setattr(cuda, "_toolchains", frozenset())
+    a = _randn(12, 8, dtype=torch.float32, seed=28)
+    b = _randn(2, 8, 5, dtype=torch.float32, seed=29)
+    offs = torch.tensor([5, 12])
+    moe_ops.reset_kernel_counts()
+    with caplog.at_level(logging.INFO, logger="moe_ops"):
+        for _ in range(2):
+            out = _dispatch_cuda_kernel(a, b, offs, None, None)
+    assert moe_ops.kernel_counts() == {"reference": 2}
+    _check(out, a, b, offs)
+    reasons = [r.getMessage() for r in caplog.records if "triton is not installed" in r.getMessage()]
+    assert len(reasons) == 1, reasons
