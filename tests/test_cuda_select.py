@@ -28,9 +28,10 @@ ALL = {"triton", "cutlass"}
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0)])
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32, FP64])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_sm80_and_newer_run_triton(capability, dtype, layout):
+def test_sm80_and_newer_run_triton_unless_blackwell_serves(capability, dtype, layout):
     choice = select(capability, ALL, dtype, layout)
-    assert choice.kernel == "triton", choice
+    blackwell = capability[0] == 10 and layout in ("2d3d", "3d3d") and dtype in (BF16, FP16)
+    assert choice.kernel == ("blackwell" if blackwell else "triton"), choice
     assert f"sm_{capability[0]}{capability[1]}" in choice.reason
 
 
@@ -52,18 +53,11 @@ def test_cpu_tensors_run_the_interpreter():
     assert choice.kernel == "triton" and "interpreter" in choice.reason
 
 
-def test_blackwell_is_not_wired_in_yet():
-    assert cuda.BLACKWELL.serves == frozenset()
-    for layout in LAYOUTS:
-        assert select((10, 0), ALL, BF16, layout).kernel == "triton"
-
-
-def test_blackwell_rule_once_wired_in(monkeypatch):
-    """Filling BLACKWELL.serves is the one-line change that routes sm_100 calls to it."""
-    serves = frozenset({("2d3d", BF16), ("2d3d", FP16), ("3d3d", BF16)})
-    monkeypatch.setattr(cuda, "BLACKWELL", dataclasses.replace(cuda.BLACKWELL, serves=serves))
+def test_blackwell_rule():
+    """BLACKWELL.serves (data) routes sm_100-family calls to the CuTe DSL kernel."""
+    assert cuda.BLACKWELL.serves == frozenset({("2d3d", BF16), ("2d3d", FP16), ("3d3d", BF16), ("3d3d", FP16)})
     assert select((10, 0), ALL, BF16, "2d3d").kernel == "blackwell"
-    assert select((10, 3), ALL, FP16, "2d3d").kernel == "blackwell"
+    assert select((10, 3), ALL, FP16, "3d3d").kernel == "blackwell"
     assert select((10, 0), ALL, BF16, "2d2d").kernel == "triton"  # layout it does not serve
     assert select((10, 0), ALL, FP32, "2d3d").kernel == "triton"  # dtype it does not serve
     assert select((10, 0), {"triton"}, BF16, "2d3d").kernel == "triton"  # cutlass DSL missing

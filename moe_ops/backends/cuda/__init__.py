@@ -3,10 +3,9 @@
 Per call, ``select`` picks from (compute capability, toolchains installed, dtype, layout):
 
 * "blackwell": the sm_100-family CuTe DSL kernel (``blackwell.py`` beside this file) for the
-  (layout, dtype) pairs in ``BLACKWELL.serves``. That set is empty until the kernel is wired
-  in, so sm_100 runs Triton today; wiring it in is one line (fill ``BLACKWELL.serves``). The
-  module must expose ``grouped_mm(problem, mat_a, mat_b, offs, bias) -> Tensor``; when it raises
-  NotImplementedError for a call (e.g. strides it cannot load), Triton computes the call.
+  (layout, dtype) pairs in ``BLACKWELL.serves``: bf16/fp16 2Dx3D (forward and input gradient)
+  and 3Dx3D. When it raises NotImplementedError for a call (e.g. strides its TMA loads cannot
+  take, N or K not a multiple of 8), Triton computes the call.
 * "triton": the persistent Triton kernels of ``triton_kernels.py``, sm_80 and newer, every
   layout and dtype.
 * "reference": older GPUs, or triton missing. The kernel raises NotImplementedError with the
@@ -57,7 +56,10 @@ class NativeKernel:
 
 # The sm_100 family (B200/GB200 = 10.0, B300 = 10.3) with tcgen05 MMA; not sm_120 (RTX 50),
 # which has no tcgen05. nvidia-cutlass-dsl installs the package ``cutlass``.
-BLACKWELL = NativeKernel("blackwell", majors=(10,), toolchain="cutlass", serves=frozenset())
+BLACKWELL = NativeKernel(
+    "blackwell", majors=(10,), toolchain="cutlass",
+    serves=frozenset((layout, dtype) for layout in ("2d3d", "3d3d") for dtype in (torch.bfloat16, torch.float16)),
+)
 
 
 @dataclass(frozen=True)
