@@ -13,7 +13,7 @@ Steps, each recorded in the JSON:
    "...blockwise" = the block-wise PyTorch path, "reference" = not served);
 2. the shared property cases (tests/strategies.py) run through ``moe_ops.grouped_mm`` on the
    device and compared with the float64 oracle under the one tolerance rule, plus the NKI kernel
-   tests on AWS's nki.simulate (``pytest tests/test_neuron_nki.py -k nki-simulate``);
+   tests on AWS's nki.simulate (``pytest tests/test_neuron_nki.py -m nki_simulate``);
 3. forward (2D x 3D), input gradient (2D x 3D, transposed weights) and weight gradient (2D x 2D)
    timed against a dense matmul with the same FLOPs on the same device (medians of --iters runs
    after warm-up); group sizes from a Dirichlet(1) split.
@@ -115,7 +115,7 @@ def property_cases(device, examples: int) -> dict:
 
 
 def nki_simulate_tests() -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", os.path.join(ROOT, "tests", "test_neuron_nki.py"), "-k", "nki-simulate"]
+    cmd = [sys.executable, "-m", "pytest", "-q", os.path.join(ROOT, "tests", "test_neuron_nki.py"), "-m", "nki_simulate"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     return {"command": " ".join(cmd[1:]), "returncode": done.returncode, "tail": done.stdout[-3000:]}
 

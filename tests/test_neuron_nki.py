@@ -2,7 +2,7 @@
 
 Every test runs once per engine: "emulator" (moe_ops' numpy emulator, NOT AWS's simulator) and
 "nki-simulate" (AWS's nki.simulate; skipped without the real nki package: select it with
-``-k nki-simulate``). The shared property suite already runs the kernels on the emulator through
+``-m nki_simulate``). The shared property suite already runs the kernels on the emulator through
 ``run_backend("neuron", ...)`` on small shapes (M <= 64, one 128-row tile per block); these
 tests add shapes that take several row, K, N and M tiles, several blocks per group, passes
 over the output, both weight layouts and all served dtypes.
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.backend_neuron
 ENGINES = [
     pytest.param("emulator", id="emulator"),
     pytest.param("nki-simulate", id="nki-simulate",
-                 marks=pytest.mark.skipif(not neuron.nki_status()[0], reason=neuron.NKI_MISSING)),
+                 marks=[pytest.mark.nki_simulate,
+                        pytest.mark.skipif(not neuron.nki_status()[0], reason=neuron.NKI_MISSING)]),
 ]
 
 
