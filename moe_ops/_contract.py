@@ -202,6 +202,17 @@ def sanitize_offs(offs: torch.Tensor, extent: int) -> torch.Tensor:
     return torch.cummax(offs.clamp(0, extent), dim=0).values
 
 
+def prepare_offs(offs, extent):
+    """The offs a kernel computes with: validated where reading values is free (CPU) or asked
+    for (checked mode), else sanitized on the device. None stays None."""
+    if offs is None:
+        return None
+    if offs.device.type == "cpu" or checked_mode():
+        check_offs_values(offs, extent)
+        return offs
+    return sanitize_offs(offs, extent)
+
+
 _checked = threading.local()
 
 

@@ -68,11 +68,7 @@ def kernel_entry(name: str, impl: Callable) -> Callable:
 
     def kernel(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
-        if offs is not None:
-            if offs.device.type == "cpu" or _contract.checked_mode():
-                _contract.check_offs_values(offs, p.extent)
-            else:
-                offs = _contract.sanitize_offs(offs, p.extent)
+        offs = _contract.prepare_offs(offs, p.extent)
         _served.name = None
         try:
             out = impl(p, mat_a, mat_b, offs, bias)

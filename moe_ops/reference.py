@@ -41,11 +41,7 @@ def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         (2Dx3D) or columns (3Dx2D) past offs[-1] and the slices of empty 2Dx2D groups are zero.
     """
     p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
-    if offs is not None:
-        if offs.device.type == "cpu" or _contract.checked_mode():
-            _contract.check_offs_values(offs, p.extent)
-        else:
-            offs = _contract.sanitize_offs(offs, p.extent)
+    offs = _contract.prepare_offs(offs, p.extent)
     return compute(p, mat_a, mat_b, offs, bias)
 
 
