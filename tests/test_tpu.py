@@ -1,0 +1,358 @@
+"""TPU backend: the Pallas kernels in interpret mode on CPU, beyond the shared property suite.
+
+Categories:
+* schedule: the on-device group metadata against a plain enumeration (order, straddled tiles
+  visited once per group, empty groups skipped in gmm and visited once in tgmm, the static
+  step bound), and no-DMA fetch indices for steps that do not compute;
+* kernels with explicit tiles against the float64 oracle: groups straddling tiles, several
+  groups in one tile, empty groups, offs[-1] < M, shapes that no tile divides (jax's
+  interpreter fills the out-of-range part of edge blocks with NaN, so a missing mask shows),
+  transposed operands read in place, bias and out_dtype;
+* the TPU interpreter (simulated VMEM/DMA, NaN-filled uninitialised memory, race detector);
+* MegaBlox gmm/tgmm on the shapes both support (m % tm == 0, groups covering all rows);
+* no recompilation for new group sizes (jax's compile events), one per new shape;
+* tiling policy: legal blocks within each generation's VMEM budget;
+* the package without jax: imports, reports why the backend is off, falls back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from moe_ops import _contract
+from moe_ops.backends import tpu
+from moe_ops.testing import assert_close, run_backend
+from oracle import magnitude, oracle
+
+jax = pytest.importorskip("jax", reason='jax not installed (pip install "jax[cpu]==0.10.2")')
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+
+from moe_ops.backends import tpu_pallas as tp  # noqa: E402
+
+Tiles = tp.Tiles
+
+
+def _rand(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _check(out, a, b, offs, bias=None, out_dtype=None, what=""):
+    """out (jax or torch) against the oracle of moe_ops.grouped_mm(a, b, offs, bias, out_dtype)."""
+    if not isinstance(out, torch.Tensor):
+        out = tpu._to_torch(out)
+    assert_close(out, oracle(a, b, offs, bias, out_dtype, exact=True),
+                 oracle(a, b, offs, bias, out_dtype, exact=False), magnitude(a, b, offs, bias), what=what)
+
+
+def _j(t):
+    return None if t is None else tpu._to_jax(t)
+
+
+# --- schedule ---------------------------------------------------------------------------------
+
+
+def _expected_steps(ends, extent, tile, tail, visit_empty):
+    """(group, tile) per step, enumerated plainly."""
+    ends = list(ends) + ([extent] if tail else [])
+    steps, start = [], 0
+    for g, end in enumerate(ends):
+        if end > start:
+            steps += [(g, t) for t in range(start // tile, (end - 1) // tile + 1)]
+        elif visit_empty:
+            steps.append((g, min(start // tile, -(-extent // tile) - 1)))
+        start = end
+    return steps
+
+
+@pytest.mark.parametrize("tail,visit_empty", [(True, False), (False, True)], ids=["gmm", "tgmm"])
+@pytest.mark.parametrize("ends,extent,tile", [
+    ((5, 5, 33), 40, 16),            # an empty group; 33 < 40 (tail); group 2 straddles 3 tiles
+    ((0, 0, 7), 7, 8),               # two empty groups first; one partial tile
+    ((16, 32, 48), 48, 16),          # aligned groups: no shared tile
+    ((1, 2, 3, 4, 5, 6), 50, 16),    # six groups in one tile
+    ((0, 0, 0), 9, 4),               # every row in no group
+    ((9, 9, 9), 9, 4),
+])
+def test_schedule_matches_enumeration(ends, extent, tile, tail, visit_empty):
+    make = jax.jit(tp.make_schedule, static_argnums=(1, 2), static_argnames=("tail", "visit_empty"))
+    s = make(jnp.asarray(ends, jnp.int32), extent, tile, tail=tail, visit_empty=visit_empty)
+    s = tp.Schedule(*(np.asarray(x) for x in s))
+    want = _expected_steps(ends, extent, tile, tail, visit_empty)
+    n = int(s.num_steps[0])
+    assert n == len(want)
+    n_groups = len(ends) + tail
+    assert s.step_group.shape[0] == -(-extent // tile) + n_groups  # static bound S + 1 sentinel
+    got = list(zip(s.step_group[:n].tolist(), s.step_tile[:n].tolist()))
+    assert got == want
+    assert int(s.step_group[n]) == n_groups, "the entry after the last step is the sentinel"
+    # Steps that compute fetch their own blocks; others repeat the previous computing step's.
+    real = len(ends)
+    last = None
+    for i, (g, t) in enumerate(got):
+        computes = g < real and s.ends[g] > s.starts[g]
+        if computes:
+            last = (g, t)
+            assert (int(s.fetch_group[i]), int(s.fetch_tile[i])) == (g, t)
+        elif last is not None:
+            assert (int(s.fetch_group[i]), int(s.fetch_tile[i])) == last
+
+
+# --- kernels with explicit tiles ---------------------------------------------------------------
+
+
+GMM_CASES = [
+    # M, K, N, offs, tiles
+    (40, 20, 24, (5, 5, 33), Tiles(16, 20, 24)),            # straddles, empty group, tail rows
+    (50, 16, 8, (1, 2, 3, 4, 5, 6), Tiles(16, 16, 8)),      # six groups in one tile, 44-row tail
+    (300, 300, 260, (0, 77, 77, 250), Tiles(64, 128, 128)),  # nothing divides: K, N, M edges
+    (33, 8, 8, (0, 0, 0), Tiles(16, 8, 8)),                 # every row in no group: all zeros
+    (64, 24, 16, (64,), Tiles(64, 24, 16)),                 # one group, one tile
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", GMM_CASES, ids=lambda c: f"M{c[0]}K{c[1]}N{c[2]}")
+def test_gmm_explicit_tiles(case, dtype):
+    M, K, N, offs, tiles = case
+    gen = torch.Generator().manual_seed(M + K)
+    G = len(offs)
+    a, b, bias = _rand(gen, M, K, dtype=dtype), _rand(gen, G, K, N, dtype=dtype), _rand(gen, G, N, dtype=dtype)
+    offs_t = torch.tensor(offs, dtype=torch.int32)
+    out_dtype = torch.float32 if dtype == torch.bfloat16 else None
+    jd = "float32" if out_dtype else None
+    out = tp.gmm(_j(a), _j(b), _j(offs_t), _j(bias), tiles=tiles, out_dtype=jd, interpret=True)
+    _check(out, a, b, offs_t, bias, out_dtype, "gmm")
+    assert torch.count_nonzero(tpu._to_torch(out)[offs[-1]:]) == 0
+    # The same weights stored as [G, N, K] and read in place.
+    bt = b.transpose(1, 2).contiguous()
+    out = tp.gmm(_j(a), _j(bt), _j(offs_t), None, tiles=tiles, transpose_b=True, interpret=True)
+    _check(out, a, b, offs_t, what="gmm transpose_b")
+
+
+TGMM_CASES = [
+    # M, K (ragged), N, offs, tiles
+    (24, 40, 20, (5, 5, 33), Tiles(16, 40, 20)),                # one K block: all groups straddle it
+    (20, 300, 260, (0, 77, 77, 250), Tiles(16, 128, 128)),   # K blocks shared by groups; K, N edges
+    (16, 9, 8, (0, 0, 0), Tiles(16, 9, 8)),                  # all groups empty: exact zeros
+    (16, 256, 8, (128, 128, 256), Tiles(16, 128, 8)),        # aligned groups, an empty one between
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", TGMM_CASES, ids=lambda c: f"M{c[0]}K{c[1]}N{c[2]}")
+def test_tgmm_explicit_tiles(case, dtype):
+    M, K, N, offs, tiles = case
+    gen = torch.Generator().manual_seed(M + K)
+    a, b = _rand(gen, M, K, dtype=dtype), _rand(gen, K, N, dtype=dtype)
+    offs_t = torch.tensor(offs, dtype=torch.int32)
+    out = tp.tgmm(_j(a), _j(b), _j(offs_t), tiles=tiles, interpret=True)
+    _check(out, a, b, offs_t, what="tgmm")
+    sizes = torch.diff(offs_t, prepend=torch.zeros(1, dtype=torch.int32))
+    assert torch.count_nonzero(tpu._to_torch(out)[sizes == 0]) == 0, "empty groups give exact zeros"
+    # mat_a as the transposed view of [K, M] storage, read in place; M is then a lane dimension.
+    at = a.t().contiguous()
+    tiles = dataclasses.replace(tiles, tm=M if tiles.tm % 128 else tiles.tm)
+    out = tp.tgmm(_j(at), _j(b), _j(offs_t), tiles=tiles, transpose_a=True, interpret=True)
+    _check(out, a, b, offs_t, what="tgmm transpose_a")
+
+
+def test_run_here_reads_transposed_operands_in_place():
+    """The layouts of the backward pass hand transposed views to the op: run_here passes the
+    stored orientation with a flag instead of copying."""
+    gen = torch.Generator().manual_seed(3)
+    w = _rand(gen, 3, 16, 24)  # [G, K, N] forward weights
+    grad = _rand(gen, 30, 24)
+    offs = torch.tensor([4, 4, 30])
+    p = _contract.check_args(grad, w.transpose(1, 2), offs)
+    x, y, transposed = tpu._orient(p, grad, w.transpose(1, 2))
+    assert transposed and y.data_ptr() == w.data_ptr()
+    _check(run_backend("tpu", grad, w.transpose(1, 2), offs), grad, w.transpose(1, 2), offs, what="d mat_a")
+    x_in = _rand(gen, 30, 16)
+    p = _contract.check_args(x_in.t(), grad, offs)
+    x, y, transposed = tpu._orient(p, x_in.t(), grad)
+    assert transposed and x.data_ptr() == x_in.data_ptr()
+    _check(run_backend("tpu", x_in.t(), grad, offs), x_in.t(), grad, offs, what="d mat_b")
+
+
+def test_tpu_interpreter_no_races_and_nan_memory():
+    """The TPU interpreter simulates VMEM, DMAs and semaphores, fills uninitialised memory with
+    NaN and, with detect_races, checks that no two accesses race."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
+                                   out_of_bounds_reads="uninitialized")
+    gen = torch.Generator().manual_seed(4)
+    a, b = _rand(gen, 40, 20), _rand(gen, 3, 20, 24)
+    offs = torch.tensor([5, 5, 33], dtype=torch.int32)
+    out = tp.gmm(_j(a), _j(b), _j(offs), None, tiles=Tiles(16, 20, 24), interpret=params)
+    _check(out, a, b, offs, what="gmm, TPU interpreter")
+    assert not tpu_interpreter.races.races_found
+    a2, b2 = _rand(gen, 24, 150), _rand(gen, 150, 20)
+    offs2 = torch.tensor([60, 60, 140], dtype=torch.int32)
+    out = tp.tgmm(_j(a2), _j(b2), _j(offs2), tiles=Tiles(8, 128, 20), interpret=params)
+    _check(out, a2, b2, offs2, what="tgmm, TPU interpreter")
+    assert not tpu_interpreter.races.races_found
+
+
+# --- MegaBlox ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_agrees_with_megablox(dtype):
+    """MegaBlox (jax's Pallas grouped matmul) on shapes both serve: m % tm == 0 and groups that
+    cover every row. Both must be within the tolerance of the float64 oracle."""
+    mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+    gen = torch.Generator().manual_seed(5)
+    M, K, N, tile = 256, 256, 128, (128, 128, 128)
+    offs = torch.tensor([0, 100, 100, 200, 256], dtype=torch.int32)  # empty groups, straddles
+    G = offs.numel()
+    sizes = jnp.asarray(torch.diff(offs, prepend=torch.zeros(1, dtype=torch.int32)).numpy())
+    a, b = _rand(gen, M, K, dtype=dtype), _rand(gen, G, K, N, dtype=dtype)
+    jd = tpu._to_jax(a).dtype
+    ours = tp.gmm(_j(a), _j(b), _j(offs), None, tiles=Tiles(*tile), interpret=True)
+    theirs = mb.gmm(_j(a), _j(b), sizes, preferred_element_type=jd, tiling=tile, interpret=True)
+    _check(ours, a, b, offs, what="ours gmm")
+    _check(theirs, a, b, offs, what="MegaBlox gmm")
+    # tgmm: MegaBlox's lhs [k, m] with m grouped is our mat_a [M, K] with K grouped.
+    a2, b2 = _rand(gen, K, M, dtype=dtype), _rand(gen, M, N, dtype=dtype)
+    ours = tp.tgmm(_j(a2), _j(b2), _j(offs), tiles=Tiles(*tile), interpret=True)
+    theirs = mb.tgmm(_j(a2), _j(b2), sizes, preferred_element_type=jd, tiling=tile, interpret=True)
+    _check(ours, a2, b2, offs, what="ours tgmm")
+    _check(theirs, a2, b2, offs, what="MegaBlox tgmm")
+
+
+def test_megablox_needs_divisible_m_we_do_not():
+    mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+    gen = torch.Generator().manual_seed(6)
+    a, b = _rand(gen, 200, 128), _rand(gen, 2, 128, 128)
+    offs = torch.tensor([90, 200], dtype=torch.int32)
+    with pytest.raises(ValueError, match="divisible"):
+        mb.gmm(_j(a), _j(b), jnp.asarray([90, 110], jnp.int32), tiling=(128, 128, 128), interpret=True)
+    _check(tp.gmm(_j(a), _j(b), _j(offs), None, tiles=Tiles(128, 128, 128), interpret=True), a, b, offs)
+
+
+# --- compilation -------------------------------------------------------------------------------
+
+
+class _CompileCounter:
+    """Counts XLA backend compilations (jax's monitoring events) while active."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+        self.active = False
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event, duration, **kwargs):
+        if self.active and event == self.EVENT:
+            self.count += 1
+
+
+_counter = None
+
+
+def _compiles():
+    global _counter
+    if _counter is None:
+        _counter = _CompileCounter()
+    return _counter
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d"])
+def test_new_group_sizes_do_not_recompile(layout):
+    counter = _compiles()
+    gen = torch.Generator().manual_seed(7)
+    G, M, K, N = 4, 48, 40, 16
+    a = _rand(gen, M, K)
+    b = _rand(gen, G, K, N) if layout == "2d3d" else _rand(gen, K, N)
+    extent = M if layout == "2d3d" else K
+    partitions = [(10, 20, 30, extent), (0, 0, 0, extent), (extent,) * 4, (3, 9, 9, 17), (0, 1, 2, 3)]
+    run_backend("tpu", a, b, torch.tensor(partitions[0]))  # compiles this shape
+    counter.count, counter.active = 0, True
+    try:
+        for offs in partitions[1:]:
+            offs = torch.tensor(offs)
+            _check(run_backend("tpu", a, b, offs), a, b, offs, what=f"offs {offs.tolist()}")
+        assert counter.count == 0, f"{counter.count} compilations for new group sizes"
+        a2 = _rand(gen, M + 8, K) if layout == "2d3d" else _rand(gen, M, K + 8)
+        b2 = b if layout == "2d3d" else _rand(gen, K + 8, N)
+        run_backend("tpu", a2, b2, torch.tensor((1, 2, 3, extent + 8)))
+        assert counter.count > 0, "a new shape compiles (the counter is live)"
+    finally:
+        counter.active = False
+
+
+# --- tiling policy ----------------------------------------------------------------------------
+
+
+MOE_SHAPES = {
+    # name: (tokens x top_k rows, d_model, d_ff, experts)
+    "mixtral-8x7b": (4096 * 2, 4096, 14336, 8),
+    "deepseek-v3": (4096 * 8, 7168, 2048, 256),
+    "qwen3-30b-a3b": (4096 * 8, 2048, 768, 128),
+    "small": (1000, 300, 200, 7),
+}
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "v7"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_tiles_are_legal_and_fit_vmem(generation, dtype):
+    gen = tp.GENERATIONS[generation]
+    for M, D, F, G in MOE_SHAPES.values():
+        for kind, (m, k, n) in (("gmm", (M, D, F)), ("gmm", (M, F, D)), ("tgmm", (D, M, F))):
+            for has_bias in (False, True):
+                t = tp.choose_tiles(kind, m, k, n, G, dtype, dtype, generation, has_bias)
+                for transposed in (False, True):
+                    tp._check_tiles(kind, t, m, k, n, jnp.dtype(dtype).itemsize, transposed)
+                used = tp.vmem_bytes(kind, t, jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize, has_bias)
+                assert used <= gen.budget, (kind, m, k, n, t, used)
+                ragged = t.tm if kind == "gmm" else t.tk
+                assert ragged <= max(128, -(-m // G) if kind == "gmm" else -(-k // G)) or ragged == 128
+
+
+def test_ragged_tile_follows_group_size():
+    pick = lambda M, G: tp.choose_tiles("gmm", M, 4096, 4096, G, jnp.bfloat16, jnp.bfloat16, "v5e").tm  # noqa: E731
+    assert pick(8192, 8) == 512      # 1024 rows per expert: the largest ragged tile
+    assert pick(32768, 256) == 128   # 128 rows per expert
+    assert pick(8192, 32) == 256
+    assert pick(100, 4) == 100       # the whole dimension when it is smaller than a tile
+
+
+# --- without jax ------------------------------------------------------------------------------
+
+
+def test_package_imports_and_reports_without_jax():
+    code = (
+        "import sys; sys.modules['jax'] = None\n"
+        "import torch, moe_ops, moe_ops.testing\n"
+        "from moe_ops import backends\n"
+        "from moe_ops.backends import BackendUnavailable\n"
+        "s = {x.name: x for x in backends.statuses()}['tpu']\n"
+        "print('MODE', s.mode, '|', s.detail)\n"
+        "a, b, offs = torch.randn(6, 4), torch.randn(2, 4, 3), torch.tensor([2, 6])\n"
+        "try:\n"
+        "    moe_ops.testing.run_backend('tpu', a, b, offs)\n"
+        "except BackendUnavailable as e:\n"
+        "    print('UNAVAILABLE', e)\n"
+        "print('OP', tuple(moe_ops.grouped_mm(a, b, offs).shape))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "MODE None | jax not installed" in r.stdout
+    assert "UNAVAILABLE" in r.stdout and "OP (6, 3)" in r.stdout
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['jax'] = None\nimport runpy; "
+                        "runpy.run_module('moe_ops', run_name='__main__')"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "jax not installed" in r.stdout, r.stdout + r.stderr
