@@ -17,7 +17,9 @@ float16 and float64 raise NotImplementedError (the op then uses the reference): 
 fp16 or fp64 path, and emulating them would be slower than the reference.
 
 Three ways to run the same jax function ``tpu_pallas.grouped_mm``:
-* ``run_here`` (CPU tensors, this machine): jax's Pallas interpreter (``interpret=True``).
+* ``run_here`` (CPU tensors, this machine): jax's Pallas interpreter (``interpret=True``); with
+  MOE_OPS_TPU_NATIVE=1 on a TPU host, compiled by Mosaic on jax's TPU device instead
+  (``benchmarks/tpu_check.py`` runs the property suite that way).
 * XLA key: ``torch_xla.core.xla_builder.call_jax`` splices the kernel's HLO into the lazy graph;
   compiled by Mosaic on a TPU, interpreted when the XLA device is the CPU.
 * PrivateUse1 "tpu": TorchTPU's Pallas bridge ``torch.tpu.pallas.jax_op``, which registers the
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import os
 
 import torch
 
@@ -41,7 +44,7 @@ PRIVATEUSE1_NAME = "tpu"
 LAYOUTS = (LAYOUT_2D3D, LAYOUT_2D2D, LAYOUT_3D3D, LAYOUT_3D2D)
 DTYPES = (torch.float32, torch.bfloat16)
 
-_JAX_PIN = 'pip install "jax[cpu]==0.10.2"'
+_JAX_PIN = 'pip install "jax[tpu]==0.10.2"'
 
 
 def register() -> None:
@@ -56,6 +59,11 @@ def _version(dist: str):
         return None
 
 
+def _native() -> bool:
+    """run_here compiles for jax's TPU instead of interpreting (MOE_OPS_TPU_NATIVE=1)."""
+    return os.environ.get("MOE_OPS_TPU_NATIVE", "0") not in ("", "0")
+
+
 def status() -> Status:
     keys = ("XLA", "PrivateUse1")
     jax_version = _version("jax")
@@ -63,9 +71,10 @@ def status() -> Status:
         return Status(NAME, keys, None, f"jax not installed ({_JAX_PIN})")
     xla = _version("torch_xla") or _version("torch-xla")
     torchtpu = _version("torch_tpu") or _version("torch-tpu")
+    how = "compiled by Mosaic on jax's TPU (MOE_OPS_TPU_NATIVE=1)" if _native() else "interpret mode"
     return Status(
-        NAME, keys, "interpreter",
-        f"Pallas kernels gmm/tgmm in jax {jax_version} interpret mode; XLA key: "
+        NAME, keys, "native" if _native() else "interpreter",
+        f"Pallas kernels gmm/tgmm in jax {jax_version} {how}; XLA key: "
         + (f"torch_xla {xla}" if xla else "torch_xla not installed")
         + "; PrivateUse1 'tpu': " + (f"torch-tpu {torchtpu}" if torchtpu else "TorchTPU not installed"),
     )
@@ -123,11 +132,18 @@ def _out_dtype_name(p) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16"}[p.out_dtype]
 
 
+def _jax_fn(p, has_offs: bool, has_bias: bool, transposed: bool, interpret: bool, generation: str):
+    """A jax function of the positional operands from ``_args`` (see ``_jax_fn_cached``)."""
+    G, M = (p.G, p.M) if p.layout == LAYOUT_3D3D else (0, 0)  # only 3d3d needs them
+    return _jax_fn_cached(p.layout, G, M, has_offs, has_bias, transposed, _out_dtype_name(p), interpret,
+                          generation)
+
+
 @functools.lru_cache(maxsize=None)
-def _jax_fn(layout: str, G: int, M: int, has_offs: bool, has_bias: bool, transposed: bool,
-            out_dtype: str, interpret: bool, generation: str):
-    """A jax function of the positional operands from ``_args``, one object per configuration
-    (torch_xla's call_jax caches its traced computation by the function's identity)."""
+def _jax_fn_cached(layout: str, G: int, M: int, has_offs: bool, has_bias: bool, transposed: bool,
+                   out_dtype: str, interpret: bool, generation: str):
+    """One function object per configuration: torch_xla's call_jax caches its traced
+    computation by the function's identity."""
     tp = _pallas()
 
     def fn(x, y, *rest):
@@ -162,14 +178,26 @@ def _to_torch(x) -> torch.Tensor:
     return torch.from_numpy(host)
 
 
+def _jax_tpu_generation() -> str:
+    import jax
+
+    tp = _pallas()
+    device = jax.devices()[0]
+    if device.platform != "tpu":
+        raise BackendUnavailable(f"MOE_OPS_TPU_NATIVE=1 but jax's device is {device.platform}, not a TPU")
+    return tp.generation_of(device.device_kind)
+
+
 def run_here(p, mat_a, mat_b, offs, bias):
     """Both kernels on CPU tensors, in jax's Pallas interpreter (``interpret=True``), with the
-    "interpret" tiling (small tiles, so small shapes cross tile and group boundaries)."""
+    "interpret" tiling (small tiles, so small shapes cross tile and group boundaries). With
+    MOE_OPS_TPU_NATIVE=1: compiled for jax's TPU, with that generation's tiling."""
     _check_dtype(p)
     _pallas()
+    native = _native()
+    generation = _jax_tpu_generation() if native else "interpret"
     args, transposed = _args(p, mat_a, mat_b, offs, bias)
-    fn = _jax_fn(p.layout, p.G, p.M, offs is not None, bias is not None, transposed,
-                 _out_dtype_name(p), True, "interpret")
+    fn = _jax_fn(p, offs is not None, bias is not None, transposed, not native, generation)
     return _to_torch(fn(*[_to_jax(t) for t in args]))
 
 
@@ -208,8 +236,7 @@ def xla_impl(p, mat_a, mat_b, offs, bias):
     interpret = hw != "TPU"
     generation = "interpret" if interpret else tp.generation_of(xm.xla_device_kind(mat_a.device))
     args, transposed = _args(p, mat_a, mat_b, offs, bias)
-    fn = _jax_fn(p.layout, p.G, p.M, offs is not None, bias is not None, transposed,
-                 _out_dtype_name(p), interpret, generation)
+    fn = _jax_fn(p, offs is not None, bias is not None, transposed, interpret, generation)
     out = xla_builder.call_jax(fn, tuple(args))
     note_kernel("tpu:pallas-xla")
     return out

@@ -20,8 +20,7 @@ Differences from MegaBlox (jax.experimental.pallas.ops.tpu.megablox), which solv
 problem first: MegaBlox needs ``m % tm == 0``, expects group sizes that add up to m, and its
 tgmm transposes its [k, m] operand in HBM before the kernel. Here rows past ``offs[-1]`` are a
 "tail" pseudo-group whose steps only store zeros and re-use the previous step's blocks (no DMA),
-tgmm reads mat_a in either orientation, and both kernels add nothing for tiles that do not
-divide the shape.
+tgmm reads mat_a in either orientation, and no dimension has to be a multiple of its tile.
 """
 
 from __future__ import annotations
@@ -50,33 +49,33 @@ class Generation:
     """What the tiling policy needs to know about one TPU generation.
 
     vmem_limit: the scoped-VMEM limit the kernels are compiled with (``vmem_limit_bytes``);
-    budget: the most our own buffers may take (the rest is left to Mosaic's internal scratch);
-    mxu: the systolic array width; lane-dimension tiles larger than it are multiples of it.
+    budget: the most our buffers (``vmem_bytes``) may take; the rest is left to what Mosaic adds
+    (register-allocator spill slots: 1.2-2.5 MiB measured for 512-1024 x 2048 tiles on v4).
     """
 
     name: str
     vmem_limit: int
     budget: int
-    mxu: int
 
 
-# VMEM per TensorCore: v4 16 MiB, v5e 128 MiB, v5p 64 MiB, v6e 128 MiB (jax's tpu_info). We ask
-# for 16 MiB on v4 (all of it, with a 12 MiB budget) and 32 MiB elsewhere (the v6e default
-# scoped limit; v5e's default is 16 MiB, so we raise it): the largest tiles the policy picks
-# (512 x 1024 x 1024 bf16, ~15 MiB with double buffering) fit with room to spare, and bigger
-# tiles gain little: at 512 x 1024 x 1024 a step already does 2*512*1024*1024 FLOPs per
-# 2*(512 + 1024)*1024 bytes loaded, ~340 FLOPs/byte, past v5e's ridge (197 TFLOP/s / 819 GB/s
-# = 240) and close to v6e's (918 / 1640 = 560; there the MXU is 256 wide, hence multiples of 256).
+# VMEM per TensorCore: v4 16 MiB, v5e 128 MiB, v5p 64 MiB, v6e 128 MiB, v7 64 MiB (jax's
+# tpu_info). We ask for 16 MiB on v4 (all of it) and 32 MiB elsewhere (the v6e default scoped
+# limit; v5e's default is 16 MiB, so we raise it). The largest tiles the policy picks, 512 x 1024
+# x 1024 bf16, take 10 MiB, and bigger ones gain little: such a step does 2*512*1024*1024 FLOPs
+# per (512 + 1024)*1024*2 bytes loaded, ~340 FLOPs/byte, past v5e's ridge (197 TFLOP/s / 819
+# GB/s = 240) and within 2x of v6e's (918 / 1640 = 560; its MXU is 256 wide, hence multiples of
+# 256), while the per-step overhead (~0.35 us) is 6% of the step's 5.4 us on v5e.
 GENERATIONS = {
-    "v4": Generation("v4", 16 * MiB, 12 * MiB, 128),
-    "v5e": Generation("v5e", 32 * MiB, 24 * MiB, 128),
-    "v5p": Generation("v5p", 32 * MiB, 24 * MiB, 128),
-    "v6e": Generation("v6e", 32 * MiB, 24 * MiB, 256),
-    "v7": Generation("v7", 32 * MiB, 24 * MiB, 256),
+    "v4": Generation("v4", 16 * MiB, 12 * MiB),
+    "v5e": Generation("v5e", 32 * MiB, 24 * MiB),
+    "v5p": Generation("v5p", 32 * MiB, 24 * MiB),
+    "v6e": Generation("v6e", 32 * MiB, 24 * MiB),
+    "v7": Generation("v7", 32 * MiB, 24 * MiB),
     # The CPU interpreter has no VMEM; small tiles make small test shapes cross tile and group
     # boundaries (several m tiles for M >= 17), which is what interpret-mode tests are for.
-    "interpret": Generation("interpret", 32 * MiB, 24 * MiB, 128),
+    "interpret": Generation("interpret", 32 * MiB, 24 * MiB),
 }
+
 
 def generation_of(device_kind: str) -> str:
     """Our generation name for a device kind ("TPU v5 lite", "TPU v5e" -> "v5e"; "TPU v5" ->
@@ -119,23 +118,23 @@ def _buffer(rows: int, cols: int, itemsize: int) -> int:
     return (-(-rows // sub) * sub) * (-(-cols // 128) * 128) * itemsize
 
 
-def vmem_bytes(kind: str, tiles: Tiles, in_itemsize: int, out_itemsize: int, has_bias: bool = False) -> int:
-    """VMEM that one kernel instance takes for its buffers, in bytes.
+def vmem_bytes(kind: str, tiles: Tiles, in_itemsize: int, out_itemsize: int, has_bias: bool = False,
+               transposed: bool = False) -> int:
+    """VMEM that one kernel instance allocates, in bytes, counted as Mosaic counts its scoped
+    allocation: every input and output block twice (Pallas double-buffers them to overlap DMA
+    with compute) plus the fp32 accumulator, each padded to whole (sublane x 128) tiles.
+    ``transposed``: gmm's b block is (tn, tk), tgmm's a block (tk, tm).
 
-    Counted: every input and output block twice (Pallas double-buffers them to overlap DMA with
-    compute), the fp32 accumulator, and the fp32 temporaries Mosaic materialises: the product
-    of one step and the masked / cast value that is stored, plus masked copies of both operand
-    blocks (edge tiles of K in gmm, straddling tiles in tgmm).
+    tests/test_tpu_mosaic.py checks this number against the size Mosaic reports when a
+    configuration does not fit.
     """
     tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
-    a = _buffer(tm, tk, in_itemsize)
-    b = _buffer(tk, tn, in_itemsize)
-    out = _buffer(tm, tn, out_itemsize)
-    acc = _buffer(tm, tn, 4)
-    total = 2 * (a + b + out) + acc + 2 * acc + a + b
+    a = _buffer(tk, tm, in_itemsize) if kind == "tgmm" and transposed else _buffer(tm, tk, in_itemsize)
+    b = _buffer(tn, tk, in_itemsize) if kind == "gmm" and transposed else _buffer(tk, tn, in_itemsize)
+    blocks = a + b + _buffer(tm, tn, out_itemsize)
     if kind == "gmm" and has_bias:
-        total += 2 * _buffer(1, tn, in_itemsize)
-    return total
+        blocks += _buffer(1, tn, in_itemsize)
+    return 2 * blocks + _buffer(tm, tn, 4)
 
 
 def _pow2_floor(x: int) -> int:
@@ -159,9 +158,10 @@ def choose_tiles(kind: str, M: int, K: int, N: int, G: int, dtype, out_dtype, ge
        in [128, 512]: every group boundary costs up to one extra tile visit, so tiles much larger
        than a group waste work (DeepSeek-V3-like: 8192 tokens x 8 / 256 experts = 256 rows per
        expert -> 256), while 512 keeps the per-step overhead (~0.35 us) small for big groups.
-    2. The other two tiles start at 1024 (multiples of the MXU width) and are halved, largest
-       first and never below 128, until ``vmem_bytes`` fits the generation's budget; then the
-       ragged tile is halved if it still does not fit.
+    2. The other two tiles start at 1024 (a multiple of every MXU width) and step down through
+       powers of two, largest first and never below 128, until ``vmem_bytes`` (for either
+       orientation of the operand that may be read transposed) fits the generation's budget;
+       then the ragged tile is halved if it still does not fit.
     3. A tile not smaller than its dimension becomes the whole dimension (always a legal block).
 
     For generation "interpret" (CPU tests) the ragged tile is the smallest legal one (16 rows,
@@ -183,13 +183,14 @@ def choose_tiles(kind: str, M: int, K: int, N: int, G: int, dtype, out_dtype, ge
             return Tiles(_fit(M, r), _fit(K, o[0]), _fit(N, o[1]))
         return Tiles(_fit(M, o[0]), _fit(K, r), _fit(N, o[1]))
 
-    while vmem_bytes(kind, make(ragged, other), in_size, out_size, has_bias) > gen.budget:
+    def need(t):  # either orientation of the operand that may be read transposed
+        return max(vmem_bytes(kind, t, in_size, out_size, has_bias, tr) for tr in (False, True))
+
+    while need(make(ragged, other)) > gen.budget:
         effective = [min(o, d) for o, d in zip(other, dims)]
         i = max(range(2), key=lambda j: effective[j])
         if effective[i] > 128:
-            other[i] = max(128, _pow2_floor(effective[i]) // 2)
-            if other[i] > gen.mxu:
-                other[i] -= other[i] % gen.mxu
+            other[i] = max(128, _pow2_floor(effective[i] - 1))  # the next power of two below
         elif ragged > 128:
             ragged //= 2
         else:

@@ -1,0 +1,264 @@
+"""One run on a TPU host: the property suite on the TPU, then grouped-matmul benchmarks, as JSON.
+
+Usage, from the repository (nothing is installed; the repository is put on sys.path):
+
+    python3 benchmarks/tpu_check.py --out DIR              # suite + benchmarks
+    python3 benchmarks/tpu_check.py --out DIR --no-suite   # benchmarks only
+    python3 benchmarks/tpu_check.py --list                 # the benchmark cases, no TPU needed
+    python3 benchmarks/tpu_check.py --out DIR --interpret  # smoke run of this script on a CPU:
+                                                           # tiny shapes, kernels interpreted
+
+Needs ``jax[tpu]`` (our kernels were compiled here with jax 0.10.2 / libtpu 0.0.42), torch (CPU
+build is enough: the suite moves tensors through numpy), pytest and hypothesis. Writes
+``tpu_check.json`` (rewritten after every step, so a run cut short keeps what it measured) and
+``pytest.log`` into DIR.
+
+Phase 1, the suite: ``pytest tests/test_properties.py tests/test_tpu.py -k tpu`` with
+MOE_OPS_TPU_NATIVE=1 (run_here compiles the kernels with Mosaic for jax's TPU instead of
+interpreting them) and MOE_OPS_REQUIRE_BACKENDS=tpu. The tests of tests/test_tpu.py that pass
+explicit ``interpret=`` arguments still interpret. Hypothesis uses the derandomized "ci" profile
+(60 examples per property; natively every new shape costs a Mosaic compile of ~1 s).
+
+Phase 2, benchmarks, bf16, for each MoE shape (expert GEMMs of Mixtral 8x7B, DeepSeek-V3,
+Qwen3-30B-A3B) and M routed rows, three grouped matmuls of a training step:
+  * "forward":  [M, K] x [G, K, N] (2Dx3D),
+  * "d_input":  [M, N] x [G, K, N] read transposed (2Dx3D, transpose_b),
+  * "d_weight": [M, K] read transposed x [M, N] -> [G, K, N] (2Dx2D, ragged contraction),
+each by
+  * ours (``tpu_pallas.gmm`` / ``tgmm``, tiles from ``choose_tiles`` for this generation),
+  * MegaBlox (``jax.experimental.pallas.ops.tpu.megablox``) with the same tiles,
+  * ``jax.lax.ragged_dot`` (XLA's own grouped matmul),
+  * a dense ``jnp.dot`` with the same FLOPs ([M, K] @ [K, N]), the throughput ceiling.
+Group sizes are a Dirichlet(1) split of M (seeded). Every result is compared with ragged_dot
+before timing (max |difference| / max |ragged_dot| is recorded). Times are medians of
+``--reps`` runs after warm-up, each ended by ``block_until_ready``. Finally, the number of jax
+compilations while the group sizes change (expected: 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# name: (G experts, K = hidden size, N = expert intermediate size) of the first expert GEMM.
+MODELS = {
+    "mixtral-8x7b": (8, 4096, 14336),
+    "deepseek-v3": (256, 7168, 2048),
+    "qwen3-30b-a3b": (128, 2048, 768),
+}
+TOKENS = (16384, 65536)  # M, routed rows (tokens x top-k)
+SMOKE = {"smoke": (4, 256, 384)}
+SMOKE_TOKENS = (512,)
+
+
+def cases(interpret: bool):
+    models, tokens = (SMOKE, SMOKE_TOKENS) if interpret else (MODELS, TOKENS)
+    return [(name, G, K, N, M) for name, (G, K, N) in models.items() for M in tokens]
+
+
+def _write(out_dir: Path, report: dict) -> None:
+    (out_dir / "tpu_check.json").write_text(json.dumps(report, indent=1))
+
+
+def run_suite(out_dir: Path, report: dict) -> None:
+    env = {**os.environ, "MOE_OPS_TPU_NATIVE": "1", "MOE_OPS_REQUIRE_BACKENDS": "tpu",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_properties.py",
+           "tests/test_tpu.py", "-k", "tpu"]
+    t = time.time()
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    (out_dir / "pytest.log").write_text(r.stdout + r.stderr)
+    tail = [line for line in r.stdout.splitlines() if " passed" in line or " failed" in line or " error" in line]
+    report["suite"] = {"returncode": r.returncode, "summary": tail[-1] if tail else None,
+                       "seconds": round(time.time() - t, 1)}
+
+
+def _split(M: int, G: int, seed: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sizes = np.floor(rng.dirichlet(np.ones(G)) * M).astype(np.int32)
+    sizes[-1] += M - sizes.sum()
+    return sizes
+
+
+def _time(fn, args, reps: int) -> float:
+    import jax
+
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run_benchmarks(out_dir: Path, report: dict, interpret: bool, reps: int) -> None:
+    import functools
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from moe_ops.backends import tpu_pallas as tp
+
+    mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    generation = "interpret" if interpret else tp.generation_of(jax.devices()[0].device_kind)
+    report["generation"] = generation
+    report["benchmarks"] = []
+    key = jax.random.PRNGKey(0)
+    bf16 = jnp.bfloat16
+    for name, G, K, N, M in cases(interpret):
+        sizes = jnp.asarray(_split(M, G, seed=M + G))
+        offs = jnp.cumsum(sizes).astype(jnp.int32)
+        ka, kb, kg = jax.random.split(jax.random.fold_in(key, M + G), 3)
+        x = jax.random.normal(ka, (M, K), bf16)
+        w = jax.random.normal(kb, (G, K, N), bf16) / K ** 0.5
+        dy = jax.random.normal(kg, (M, N), bf16)
+        flops = 2 * M * K * N
+        fwd_tiles = tp.choose_tiles("gmm", M, K, N, G, bf16, bf16, generation)
+        din_tiles = tp.choose_tiles("gmm", M, N, K, G, bf16, bf16, generation)
+        dw_tiles = tp.choose_tiles("tgmm", K, M, N, G, bf16, bf16, generation)
+        kw = dict(interpret=interpret, generation=generation)
+        mkw = dict(interpret=interpret, preferred_element_type=bf16)
+        jobs = {
+            "forward": {
+                "ours": (functools.partial(tp.gmm, tiles=fwd_tiles, **kw), (x, w, offs, None)),
+                "megablox": (jax.jit(functools.partial(mb.gmm, tiling=(fwd_tiles.tm, fwd_tiles.tk, fwd_tiles.tn), **mkw)),
+                             (x, w, sizes)),
+                "ragged_dot": (jax.jit(jax.lax.ragged_dot), (x, w, sizes)),
+                "dense": (jax.jit(jnp.dot), (x, w[0])),
+            },
+            "d_input": {
+                "ours": (functools.partial(tp.gmm, tiles=din_tiles, transpose_b=True, **kw), (dy, w, offs, None)),
+                "megablox": (jax.jit(functools.partial(mb.gmm, tiling=(din_tiles.tm, din_tiles.tk, din_tiles.tn),
+                                                       transpose_rhs=True, **mkw)), (dy, w, sizes)),
+                "ragged_dot": (jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), s)), (dy, w, sizes)),
+                "dense": (jax.jit(lambda a, b: a @ b.T), (dy, w[0])),
+            },
+            "d_weight": {
+                "ours": (functools.partial(tp.tgmm, tiles=dw_tiles, transpose_a=True, **kw), (x, dy, offs)),
+                "megablox": (jax.jit(lambda a, b, s: mb.tgmm(a.T, b, s, tiling=(dw_tiles.tk, dw_tiles.tm, dw_tiles.tn),
+                                                             **mkw)), (x, dy, sizes)),
+                "ragged_dot": (jax.jit(lambda a, b, s: jax.lax.ragged_dot_general(
+                    a, b, s, jax.lax.RaggedDotDimensionNumbers(
+                        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                        lhs_ragged_dimensions=[0], rhs_group_dimensions=[]))), (x, dy, sizes)),
+                "dense": (jax.jit(lambda a, b: a.T @ b), (x, dy)),
+            },
+        }
+        for op, impls in jobs.items():
+            row = {"model": name, "G": G, "M": M, "K": K, "N": N, "op": op, "gflop": flops / 1e9,
+                   "tiles": {"forward": fwd_tiles, "d_input": din_tiles, "d_weight": dw_tiles}[op].__dict__}
+            reference = None
+            try:
+                reference = impls["ragged_dot"][0](*impls["ragged_dot"][1]).astype(jnp.float32)
+            except Exception as e:  # ragged_dot_general may be missing in older jax
+                row["ragged_dot_error"] = f"{type(e).__name__}: {e}"[:300]
+            for impl, (fn, args) in impls.items():
+                try:
+                    if impl != "dense" and reference is not None:
+                        got = fn(*args).astype(jnp.float32)
+                        row[f"{impl}_rel_diff"] = float(jnp.max(jnp.abs(got - reference)) / jnp.max(jnp.abs(reference)))
+                    seconds = _time(fn, args, reps)
+                    row[f"{impl}_ms"] = round(seconds * 1e3, 4)
+                    row[f"{impl}_tflops"] = round(flops / seconds / 1e12, 3)
+                except Exception as e:
+                    row[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:300]
+            if "dense_ms" in row:
+                for impl in ("ours", "megablox", "ragged_dot"):
+                    if f"{impl}_ms" in row:
+                        row[f"{impl}_vs_dense"] = round(row[f"{impl}_ms"] / row["dense_ms"], 3)
+            report["benchmarks"].append(row)
+            _write(out_dir, report)
+            print(json.dumps(row), flush=True)
+    report["recompiles_on_new_group_sizes"] = count_recompiles(interpret, generation)
+    _write(out_dir, report)
+
+
+def count_recompiles(interpret: bool, generation: str) -> int:
+    """jax compilations while only the group sizes change (forward and weight gradient)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moe_ops.backends import tpu_pallas as tp
+
+    G, K, N, M = (4, 256, 384, 512) if interpret else (8, 1024, 1024, 8192)
+    x = jnp.ones((M, K), jnp.bfloat16)
+    w = jnp.ones((G, K, N), jnp.bfloat16)
+    dy = jnp.ones((M, N), jnp.bfloat16)
+    kw = dict(interpret=interpret, generation=generation)
+    run = lambda offs: (tp.gmm(x, w, offs, None, **kw), tp.tgmm(x, dy, offs, transpose_a=True, **kw))  # noqa: E731
+    # Group ends made on the host: a jnp op here would count its own compilation.
+    partitions = [np.cumsum(_split(M, G, seed)).astype(np.int32) for seed in range(4)]
+    partitions.append(np.full((G,), M // 2, np.int32))  # every row in group 0, the rest past offs[-1]
+    jax.block_until_ready(run(jnp.asarray(partitions[0])))
+    count = [0]
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    for offs in partitions[1:]:
+        jax.block_until_ready(run(jnp.asarray(offs)))
+    return count[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="output directory")
+    ap.add_argument("--no-suite", action="store_true", help="skip the property suite")
+    ap.add_argument("--interpret", action="store_true", help="CPU smoke run: tiny shapes, interpreted")
+    ap.add_argument("--list", action="store_true", help="print the benchmark cases and exit")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    if args.list:
+        for case in cases(args.interpret):
+            print(dict(zip(("model", "G", "K", "N", "M"), case)))
+        return 0
+    if args.out is None:
+        ap.error("--out is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "tpu" and not args.interpret:
+        print(f"jax's device is {device.platform}, not a TPU; use --interpret for a CPU smoke run", file=sys.stderr)
+        return 2
+    report = {"host": platform.node(), "python": platform.python_version(), "jax": jax.__version__,
+              "device_kind": device.device_kind, "interpret": args.interpret,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    _write(args.out, report)
+    status = 0
+    if not args.no_suite and not args.interpret:
+        run_suite(args.out, report)
+        status |= report["suite"]["returncode"] != 0
+        _write(args.out, report)
+    try:
+        run_benchmarks(args.out, report, args.interpret, args.reps)
+    except Exception:
+        report["benchmark_error"] = traceback.format_exc()[-3000:]
+        status = 1
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    _write(args.out, report)
+    print(json.dumps({k: report.get(k) for k in ("suite", "recompiles_on_new_group_sizes", "benchmark_error")}))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
