@@ -319,16 +319,17 @@ MOE_SHAPES = {
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_tiles_are_legal_and_fit_vmem(generation, dtype):
     gen = tp.GENERATIONS[generation]
+    size = jnp.dtype(dtype).itemsize
     for M, D, F, G in MOE_SHAPES.values():
         for kind, (m, k, n) in (("gmm", (M, D, F)), ("gmm", (M, F, D)), ("tgmm", (D, M, F))):
             for has_bias in (False, True):
                 t = tp.choose_tiles(kind, m, k, n, G, dtype, dtype, generation, has_bias)
                 for transposed in (False, True):
-                    tp._check_tiles(kind, t, m, k, n, jnp.dtype(dtype).itemsize, transposed)
-                used = tp.vmem_bytes(kind, t, jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize, has_bias)
-                assert used <= gen.budget, (kind, m, k, n, t, used)
-                ragged = t.tm if kind == "gmm" else t.tk
-                assert ragged <= max(128, -(-m // G) if kind == "gmm" else -(-k // G)) or ragged == 128
+                    tp._check_tiles(kind, t, m, k, n, size, transposed)
+                    used = tp.vmem_bytes(kind, t, size, size, has_bias, transposed)
+                    assert used <= gen.budget, (kind, m, k, n, t, used)
+                ragged, extent = (t.tm, m) if kind == "gmm" else (t.tk, k)
+                assert ragged <= max(128, -(-extent // G)), "the ragged tile is at most the mean group size"
 
 
 def test_ragged_tile_follows_group_size():
