@@ -12,6 +12,8 @@ Categories:
 * MegaBlox gmm/tgmm on the shapes both support (m % tm == 0, groups covering all rows);
 * no recompilation for new group sizes (jax's compile events), one per new shape;
 * tiling policy: legal blocks within each generation's VMEM budget;
+* shared keys: no XLA device claimed without torch_xla, PrivateUse1 "tpu" without TorchTPU
+  declined to the reference;
 * the package without jax: imports, reports why the backend is off, falls back.
 """
 
@@ -338,6 +340,29 @@ def test_ragged_tile_follows_group_size():
     assert pick(32768, 256) == 128   # 128 rows per expert
     assert pick(8192, 32) == 256
     assert pick(100, 4) == 100       # the whole dimension when it is smaller than a tile
+
+
+# --- shared dispatch keys and missing toolchains -----------------------------------------------
+
+
+def test_shared_keys_decline_without_their_runtime():
+    """The XLA router asks serves_xla_device, which never claims a device without torch_xla; a
+    PrivateUse1 backend renamed "tpu" without TorchTPU loaded is declined to the reference."""
+    assert not tpu.serves_xla_device(torch.device("cpu"))
+    if "torch_xla" not in sys.modules:
+        assert not tpu.serves_xla_device("xla:0")
+    code = (
+        "import torch\n"
+        "torch.utils.rename_privateuse1_backend('tpu')\n"
+        "import moe_ops\n"
+        "a, b, offs = torch.randn(6, 4), torch.randn(2, 4, 3), torch.tensor([2, 6])\n"
+        "keys = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)\n"
+        "torch.ops.moe.grouped_mm.default.redispatch(keys, a, b, offs, None, None)\n"
+        "print(moe_ops.kernel_counts())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "{'reference': 1}" in r.stdout
 
 
 # --- without jax ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -87,6 +88,15 @@ def _pallas():
     except ImportError as e:
         raise BackendUnavailable(f"jax with Pallas cannot be imported ({e}); {_JAX_PIN}") from e
     return tpu_pallas
+
+
+def _pallas_or_decline():
+    """The kernel module for a device kernel; without jax the call is declined
+    (NotImplementedError), so the op computes it with the reference and logs why once."""
+    try:
+        return _pallas()
+    except BackendUnavailable as e:
+        raise NotImplementedError(str(e)) from e
 
 
 def _check_dtype(p) -> None:
@@ -210,14 +220,16 @@ def _xla_hw(device: torch.device) -> str:
     return xm.xla_device_hw(device)
 
 
-def serves_xla_device(device: torch.device) -> bool:
+def serves_xla_device(device) -> bool:
     """True for XLA devices that are TPUs, or the CPU (kernels in interpret mode); False for
-    AWS Neuron and other XLA devices."""
-    if device.type != "xla":
+    AWS Neuron and other XLA devices. torch_xla is consulted only when already imported (an XLA
+    tensor exists only then), so routing does not depend on the order backends were loaded."""
+    device = torch.device(device)
+    if device.type != "xla" or "torch_xla" not in sys.modules:
         return False
     try:
-        return _xla_hw(device) in ("TPU", "CPU")
-    except ImportError:
+        return _xla_hw(device).upper() in ("TPU", "CPU")
+    except (ImportError, RuntimeError):  # torch_xla too old or the device unknown: not ours
         return False
 
 
@@ -228,7 +240,7 @@ def xla_impl(p, mat_a, mat_b, offs, bias):
     becomes an HLO transpose feeding the kernel (one copy of the weights, done by XLA).
     """
     _check_dtype(p)
-    tp = _pallas()
+    tp = _pallas_or_decline()
     import torch_xla.core.xla_model as xm
     from torch_xla.core import xla_builder
 
@@ -249,22 +261,26 @@ def xla_impl(p, mat_a, mat_b, offs, bias):
 def _torchtpu_op():
     """``moe_tpu::grouped_mm``, made once from ``tpu_pallas.torchtpu_entry`` by TorchTPU's
     ``torch.tpu.pallas.jax_op`` (its non-tensor arguments become static)."""
-    tp = _pallas()
+    tp = _pallas_or_decline()
     try:
         from torch.tpu import pallas as bridge
     except ImportError as e:
-        raise BackendUnavailable(f"TorchTPU's Pallas bridge torch.tpu.pallas is missing ({e})") from e
+        raise NotImplementedError(f"PrivateUse1 is named 'tpu' but TorchTPU's torch.tpu.pallas is missing ({e})") from e
     return bridge.jax_op("moe_tpu::grouped_mm", tp.torchtpu_entry)
 
 
 def privateuse1_impl(p, mat_a, mat_b, offs, bias):
-    """The kernels on TorchTPU ``tpu`` tensors, compiled by Mosaic through TorchTPU's bridge."""
+    """The kernels on TorchTPU ``tpu`` tensors, compiled by Mosaic through TorchTPU's bridge.
+
+    Declined (NotImplementedError: the reference computes the call) when PrivateUse1 is named
+    "tpu" but TorchTPU or jax is not loaded.
+    """
     _check_dtype(p)
-    tp = _pallas()
+    tp = _pallas_or_decline()
+    op = _torchtpu_op()
     x, y, transposed = _orient(p, mat_a, mat_b)
     generation = tp.generation_of(torch.tpu.get_device_name())
-    out = _torchtpu_op()(x, y, None if offs is None else offs.to(torch.int32),
-                         None if bias is None else bias.contiguous(),
-                         p.layout, p.G, p.M, transposed, _out_dtype_name(p), generation)
+    out = op(x, y, None if offs is None else offs.to(torch.int32), None if bias is None else bias.contiguous(),
+             p.layout, p.G, p.M, transposed, _out_dtype_name(p), generation)
     note_kernel("tpu:pallas-torchtpu")
     return out
