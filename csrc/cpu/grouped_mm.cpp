@@ -355,16 +355,47 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
       [](int) {});
 }
 
+// Groups with at least this many multiply-adds go to ATen's mm with all threads (oneDNN for bf16,
+// MKL for fp32), one after the other; the rest share one parallel region of items. Measured
+// here (1 thread, G=8, M=4096, K=1024, N=2048, bf16, Dirichlet groups of ~50..1500 rows): the
+// AMX items took 30-80 ms (their 2x2-tile blocking streams the weight tiles from L2 again for
+// every 32 rows), oneDNN on 256-row items 29-32 ms, one dense mm 21.6 ms. So large groups use
+// oneDNN/MKL whole, where one call has enough work for every thread; small groups are where
+// the items win (one trip through the thread pool instead of one per group). Only for
+// out_dtype == input dtype and no bias: ATen has no bf16 x bf16 -> fp32 mm, and the bias must
+// be added before the one rounding.
+constexpr double kBigTaskMacs = double(1 << 28);
+
+bool is_big(const Task& t) { return (double)t.m * (double)t.n * (double)t.k >= kBigTaskMacs; }
+
+void run_big(at::ScalarType dtype, const Task& t) {
+  const auto opts = at::TensorOptions().dtype(dtype);
+  auto a = at::from_blob(const_cast<void*>(t.a), {t.m, t.k}, {t.a_sm, t.a_sk}, opts);
+  auto b = at::from_blob(const_cast<void*>(t.b), {t.k, t.n}, {t.b_sk, t.b_sn}, opts);
+  auto c = at::from_blob(t.c, {t.m, t.n}, {t.c_sm, t.c_sn}, opts);
+  at::mm_out(c, a, b);
+}
+
 Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& mat_b, const c10::optional<Tensor>& offs,
                   const c10::optional<Tensor>& bias, at::ScalarType out_dtype, int64_t isa_cap) {
   Problem p = build(std::string(layout), mat_a, mat_b, offs, bias, out_dtype);
   Isa isa = machine_isa();
   if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
+  const auto dtype = mat_a.scalar_type();
+  std::vector<Task> small;
+  const bool whole_groups_ok = out_dtype == dtype && (dtype == at::kFloat || dtype == at::kBFloat16);
+  for (const Task& t : p.tasks) {
+    if (whole_groups_ok && t.bias == nullptr && is_big(t)) {
+      run_big(dtype, t);
+    } else {
+      small.push_back(t);
+    }
+  }
   if (isa == Isa::generic) {
-    run_generic(mat_a.scalar_type(), out_dtype, p.tasks);
+    run_generic(dtype, out_dtype, small);
   } else {
 #if defined(__x86_64__) || defined(_M_X64)
-    run_x86(isa, to_dt(mat_a.scalar_type()), to_dt(out_dtype), p.tasks);
+    run_x86(isa, to_dt(dtype), to_dt(out_dtype), small);
 #endif
   }
   return p.out;

@@ -374,6 +374,8 @@ void store_block_transposed(const Task& t, int64_t row0, int64_t col0, const flo
 // Workspace of an AMX item: packed rows or VNNI columns of A (kAmxBufRows x Kp), packed columns
 // of B (kAmxWideBytes, at least 32 x Kp), and the fp32 block (32 x kAmxBufRows).
 constexpr int64_t kAmxWideBytes = 1024 * 1024;
+constexpr bool kAmxDirectWeights = true;
+constexpr int64_t kAmxPrefetchBlocks = 2;
 
 int64_t amx_workspace(int64_t K) {
   const int64_t kp = round_up(imax(K, 1), 32);
@@ -430,7 +432,7 @@ void amx_item(const Task& t, const Item& it, void* ws) {
       const uint16_t* w = b + (it.n0 + nb) * t.b_sn;
       const uint16_t *w0, *w1;
       int64_t w_stride, w_step;
-      if (nr % 16 == 0 && K % 32 == 0) {
+      if (kAmxDirectWeights && nr % 16 == 0 && K % 32 == 0) {
         w0 = w;
         w1 = w + 16 * t.b_sn;
         w_stride = t.b_sn * 2;
@@ -442,8 +444,8 @@ void amx_item(const Task& t, const Item& it, void* ws) {
         w_stride = 64;
         w_step = kTileElems;
       }
-      const int64_t next_rows = imin(32, cols - nb - 32);
-      const char* pf = (next_rows > 0 && w_step == 32) ? (const char*)(w + 32 * t.b_sn) : nullptr;
+      const int64_t ahead = 32 * kAmxPrefetchBlocks, next_rows = imin(32, cols - nb - ahead);
+      const char* pf = (next_rows > 0 && w_step == 32) ? (const char*)(w + ahead * t.b_sn) : nullptr;
       for (int64_t mt = 0; mt < mts; mt += 2) {
         const int m2 = mts - mt >= 2 ? 2 : 1;
         amx_dispatch(nt, m2, w0, w1, w_stride, w_step, big + mt * ks * kTileElems, big + (mt + 1) * ks * kTileElems,
