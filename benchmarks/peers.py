@@ -117,8 +117,10 @@ def _grouped_mm(t):
     return (lambda: torch._grouped_mm(a, b, offs=t.offs)), ""
 
 
-def peers(t, device: torch.device) -> dict:
-    """{peer name: (callable or None, note)} for one case's tensors."""
+def peers(t, device: torch.device, with_jax: bool = False) -> dict:
+    """{peer name: (callable or None, note)} for one case's tensors. jax is opt-in: XLA:CPU's
+    thread pool keeps its threads spinning after each call, which slowed every other peer of
+    the same process several-fold in a first run here (bf16 reference 0.5 s instead of ~20 ms)."""
     a, b = _op_args(t)
     out = {
         DENSE: (_dense(t), "same M, K, N as one matmul (the roofline)"),
@@ -128,5 +130,5 @@ def peers(t, device: torch.device) -> dict:
         PADDED: (_padded(t), ""),
     }
     out[LOOP] = (_loop(t), "" if device.type == "cpu" else "reads offs on the host: one sync per call")
-    out[JAX] = _jax(t, device)
+    out[JAX] = _jax(t, device) if with_jax else (None, "opt-in (--with-jax)")
     return out

@@ -151,6 +151,28 @@ def test_stale_nan_in_scratch_and_output_memory_never_leaks(isa):
                 check(out, *args, what=f"{isa} {case}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d", "3d3d"])
+def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
+    """Groups of >= 2**28 multiply-adds take ATen's multi-threaded mm, the others the items; one
+    call mixes both (and a group with a bias or fp32 output never takes the mm path)."""
+    gen = torch.Generator().manual_seed(1)
+    big, K, N = 1040, 512, 520  # 1040 * 512 * 520 > 2**28
+    shapes = {"2d3d": ((big + 70, K), (3, K, N)), "2d2d": ((N, big + 70), (big + 70, K)),
+              "3d2d": ((3, big, K), (K, 2 * N)), "3d3d": ((2, big, K), (2, K, N))}
+    offs = {"2d3d": [10, 10 + big, big + 60], "2d2d": [50, 50 + big, big + 60], "3d2d": [7, 7, N + 7], "3d3d": None}
+    sa, sb = shapes[layout]
+    a = torch.randn(*sa, generator=gen).to(dtype)
+    b = torch.randn(*sb, generator=gen).to(dtype)
+    o = None if offs[layout] is None else torch.tensor(offs[layout], dtype=torch.int32)
+    for out_dtype in ([None, torch.float32] if dtype == torch.bfloat16 else [None]):
+        out = run((a, b, o, None, out_dtype), "amx")
+        ref64 = moe_ops.reference.grouped_mm(a.double(), b.double(), o)
+        ref_same = moe_ops.reference.grouped_mm(a, b, o, out_dtype=out_dtype)
+        mag = moe_ops.reference.grouped_mm(a.double().abs(), b.double().abs(), o)
+        assert_close(out, ref64, ref_same, mag, what=f"{layout} {dtype} {out_dtype}")
+
+
 def test_element_offsets_past_2_to_the_31(tmp_path):
     """mat_b's groups 2**31 + 17 elements apart (a sparse file mapped copy-on-write, so only the
     touched pages take memory): every offset is computed in 64 bits."""
