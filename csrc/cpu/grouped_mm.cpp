@@ -5,13 +5,15 @@
 // TORCH_CHECKs here are not a second contract: they only guard memory safety (every pointer this
 // file forms stays inside its tensor whatever the caller passes).
 //
-// Every group is one Task (C = A @ B + bias on strided views); tasks are cut into Items of at
+// Every group is one Task (C = A @ B + bias on strided views). Groups with at least 2^28
+// multiply-adds (and out_dtype == input dtype, no bias) go to ATen's mm with all threads, one
+// after the other (oneDNN / MKL are at their best there). The others are cut into Items of at
 // most a few hundred rows and enough columns that every thread gets work, and the threads of one
 // at::parallel_for region take items from a shared counter until none are left. So many small
-// groups keep all cores busy and there is one trip through the thread pool per call (a loop of
-// torch.mm makes one per group, each split across the threads). Each item runs an x86 kernel
-// (AMX for bf16, AVX-512 FMA otherwise; kernels_x86.cpp) or, on other CPUs, ATen's mm on the
-// item's views, single-threaded inside the region.
+// groups keep all cores busy with one trip through the thread pool per call (a loop of torch.mm
+// makes one per group, each split across the threads). Each item runs an x86 kernel (AMX for
+// bf16, AVX-512 FMA otherwise; kernels_x86.cpp) or, on other CPUs, ATen's mm on the item's
+// views, single-threaded inside the region.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
