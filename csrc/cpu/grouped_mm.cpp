@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -291,17 +292,48 @@ std::vector<Item> make_items(const std::vector<Task>& tasks, int64_t threads, in
   return items;
 }
 
-// Runs f(item index, thread-local state) over all items on all threads of the intra-op pool.
+// Runs body(item index, thread state) over all items on the threads of one parallel region.
+// Each thread owns a contiguous run of items of about equal cost and takes them in order, so it
+// reads the weights of consecutive groups as one stream (the kernels prefetch across the end of
+// a group); a thread that is done takes the remaining items of the others, so one descheduled
+// thread (the machine here is shared) does not hold up the call.
 template <typename Begin, typename Body, typename End>
-void run_items(int64_t n_items, const Begin& begin, const Body& body, const End& end) {
-  if (n_items == 0) return;
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n_items);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    auto state = begin();
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) body(i, state);
-    end(state);
+void run_items(const std::vector<double>& cost, const Begin& begin, const Body& body, const End& end) {
+  const int64_t n = (int64_t)cost.size();
+  if (n == 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  struct alignas(64) Run {
+    std::atomic<int64_t> next{0};
+    int64_t end = 0;
+  };
+  std::unique_ptr<Run[]> runs(new Run[threads]);
+  double total = 0;
+  for (double c : cost) total += c;
+  double acc = 0;
+  for (int64_t i = 0, t = 0; t < threads; ++t) {
+    runs[t].next.store(i, std::memory_order_relaxed);
+    while (i < n && (t == threads - 1 || acc + cost[i] / 2 <= total * (t + 1) / threads)) acc += cost[i++];
+    runs[t].end = i;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t tid = b; tid < e; ++tid) {
+      auto state = begin();
+      for (int64_t k = 0; k < threads; ++k) {
+        Run& r = runs[(tid + k) % threads];
+        for (int64_t i; (i = r.next.fetch_add(1, std::memory_order_relaxed)) < r.end;) body(i, state);
+      }
+      end(state);
+    }
   });
+}
+
+std::vector<double> item_costs(const std::vector<Task>& tasks, const std::vector<Item>& items) {
+  std::vector<double> cost;
+  cost.reserve(items.size());
+  for (const Item& it : items) {
+    cost.push_back((double)(it.m1 - it.m0) * (double)(it.n1 - it.n0) * (double)std::max<int64_t>(tasks[it.task].k, 16));
+  }
+  return cost;
 }
 
 void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
@@ -311,7 +343,7 @@ void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
   int64_t ws_bytes = 0;
   for (const auto& t : tasks) ws_bytes = std::max(ws_bytes, x86::workspace_bytes(isa, in, t.k));
   run_items(
-      (int64_t)items.size(),
+      item_costs(tasks, items),
       [&] {
         x86::thread_begin(isa, in);
         // Per-thread scratch, reused across calls (packed operands: at most ~1 MiB for K <= 1024).
@@ -330,7 +362,7 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
   const auto acc = in == at::kDouble ? at::kDouble : at::kFloat;
   const auto in_opts = at::TensorOptions().dtype(in);
   run_items(
-      (int64_t)items.size(), [] { return 0; },
+      item_costs(tasks, items), [] { return 0; },
       [&](int64_t i, int) {
         const Item& it = items[i];
         const Task& t = tasks[it.task];

@@ -446,8 +446,11 @@ void amx_item(const Task& t, const Item& it, void* ws) {
         w_stride = 64;
         w_step = kTileElems;
       }
-      const int64_t ahead = 32 * kAmxPrefetchBlocks, next_rows = imin(32, cols - nb - ahead);
-      const char* pf = (next_rows > 0 && w_step == 32) ? (const char*)(w + ahead * t.b_sn) : nullptr;
+      // Rows `ahead` further on, also past this item's columns: with [G, N, K] weights stored
+      // contiguously those are the next group's, which this thread usually takes next (see
+      // run_items). A prefetch never faults, so past the end of W it costs only the instruction.
+      const int64_t ahead = 32 * kAmxPrefetchBlocks, next_rows = 32;
+      const char* pf = w_step == 32 ? (const char*)((uintptr_t)w + ahead * t.b_sn * 2) : nullptr;
       for (int64_t mt = 0; mt < mts; mt += 2) {
         const int m2 = mts - mt >= 2 ? 2 : 1;
         amx_dispatch(nt, m2, w0, w1, w_stride, w_step, big + mt * ks * kTileElems, big + (mt + 1) * ks * kTileElems,
