@@ -27,11 +27,11 @@ def _cpu_extension():
     class OptionalBuildExtension(BuildExtension):
         """Builds the kernel; a failure (no compiler, ...) is reported and the install goes on."""
 
-        def build_extension(self, ext):
+        def run(self):
             try:
-                super().build_extension(ext)
-            except Exception as e:
-                print(f"moe_ops: WARNING: the CPU kernel {ext.name} was not built ({type(e).__name__}: {e}); "
+                super().run()
+            except Exception as e:  # compiler missing or unusable, compile error, ...
+                print(f"moe_ops: WARNING: the CPU kernel moe_ops._cpu was not built ({type(e).__name__}: {e}); "
                       "the op will use the reference on CPU", file=sys.stderr)
 
     ext = CppExtension(
