@@ -31,7 +31,7 @@ from .._op import register_device_kernel
 log = logging.getLogger("moe_ops")
 
 # Import order is report order. Each device issue adds its module here.
-BACKEND_MODULES: tuple = ("cuda", "neuron", "tpu")
+BACKEND_MODULES: tuple = ("cpu", "cuda", "tpu", "neuron")
 
 
 class BackendUnavailable(RuntimeError):

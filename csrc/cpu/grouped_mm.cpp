@@ -1,0 +1,468 @@
+// moe_ops' native CPU kernel for moe::grouped_mm: torch.ops.moe_cpu.grouped_mm.
+//
+// moe_ops/backends/cpu.py registers it as the op's CPU kernel through kernel_entry, which has
+// already checked the call against the contract (moe_ops/_contract.py) and the offs values. The
+// TORCH_CHECKs here are not a second contract: they only guard memory safety (every pointer this
+// file forms stays inside its tensor whatever the caller passes).
+//
+// Every group is one Task (C = A @ B + bias on strided views). Groups with at least 2^28
+// multiply-adds (and out_dtype == input dtype, no bias) go to ATen's mm with all threads, one
+// after the other (oneDNN / MKL are at their best there). The others are cut into Items of at
+// most a few hundred rows and enough columns that every thread gets work, and the threads of one
+// at::parallel_for region take items from a shared counter until none are left. So many small
+// groups keep all cores busy with one trip through the thread pool per call (a loop of torch.mm
+// makes one per group, each split across the threads). Each item runs an x86 kernel (AMX for
+// bf16, AVX-512 FMA otherwise; kernels_x86.cpp) or, on other CPUs, ATen's mm on the item's
+// views, single-threaded inside the region.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <Python.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "kernels.h"
+
+namespace moe_cpu {
+namespace {
+
+using at::Tensor;
+
+// ---------------------------------------------------------------------------------------------
+// CPU features
+
+#if defined(__x86_64__) || defined(_M_X64)
+uint64_t xgetbv0() {
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return ((uint64_t)hi << 32) | lo;
+}
+
+Isa detect_isa_x86() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return Isa::generic;
+  const bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29);
+  if (!osxsave || !fma || !f16c) return Isa::generic;
+  // The OS saves SSE, AVX, opmask and both halves of the ZMM registers.
+  if ((xgetbv0() & 0xE6) != 0xE6) return Isa::generic;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return Isa::generic;
+  const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));  // F DQ BW VL
+  if (!avx512) return Isa::generic;
+  const bool amx = (d & (1u << 24)) && (d & (1u << 22));  // AMX-TILE, AMX-BF16
+  if (!amx) return Isa::avx512;
+  // Linux hands out the AMX tile state only on request (once per process; oneDNN asks too).
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return Isa::avx512;
+  if ((xgetbv0() & (3ull << 17)) != (3ull << 17)) return Isa::avx512;
+  return Isa::amx;
+}
+#endif
+
+Isa detect_isa() {
+#if defined(__x86_64__) || defined(_M_X64)
+  return detect_isa_x86();
+#else
+  return Isa::generic;
+#endif
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::amx: return "amx";
+    case Isa::avx512: return "avx512";
+    default: return "generic";
+  }
+}
+
+// The best instruction set of this machine, capped by MOE_OPS_CPU_ISA=generic|avx512|amx.
+Isa machine_isa() {
+  static const Isa isa = [] {
+    Isa best = detect_isa();
+    const char* env = std::getenv("MOE_OPS_CPU_ISA");
+    if (env != nullptr) {
+      for (Isa cap : {Isa::generic, Isa::avx512, Isa::amx}) {
+        if (std::strcmp(env, isa_name(cap)) == 0 && (int)cap < (int)best) best = cap;
+      }
+    }
+    return best;
+  }();
+  return isa;
+}
+
+Dt to_dt(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return Dt::f32;
+    case at::kBFloat16: return Dt::bf16;
+    case at::kHalf: return Dt::f16;
+    case at::kDouble: return Dt::f64;
+    default: TORCH_CHECK(false, "moe_cpu.grouped_mm: unsupported dtype ", t);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Problem -> tasks
+
+// A new output tensor. Large ones are fresh pages from the OS on every call (glibc mmaps
+// allocations of 32 MiB and more), and faulting them in 4 KiB at a time dominated the 2D x 2D
+// (weight-gradient) layout, whose output is G times the dense one: measured here, allocating and
+// filling a [64, 512, 512] bf16 tensor took 14 ms against 2 ms for filling an existing one.
+// Asking for transparent huge pages before the first touch (when the system allows it, e.g.
+// THP "madvise" mode) cut that to ~4 ms; where it is refused nothing changes.
+Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts) {
+  Tensor out = at::empty(shape, opts);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = 2u << 20;
+  const uintptr_t begin = (uintptr_t)out.data_ptr(), end = begin + out.nbytes();
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
+  if (out.nbytes() >= (8u << 20) && last > first) madvise((void*)first, last - first, MADV_HUGEPAGE);
+#endif
+  return out;
+}
+
+struct Problem {
+  std::vector<Task> tasks;
+  Tensor out;
+};
+
+// Group ends; must be a partition of [0, extent] (kernel_entry checked it; re-checked here
+// because every pointer below depends on it).
+std::vector<int64_t> read_offs(const Tensor& offs, int64_t G, int64_t extent) {
+  TORCH_CHECK(offs.dim() == 1 && offs.size(0) == G, "moe_cpu.grouped_mm: offs must be [", G, "]");
+  TORCH_CHECK(offs.scalar_type() == at::kInt || offs.scalar_type() == at::kLong, "moe_cpu.grouped_mm: offs dtype");
+  const Tensor o = offs.to(at::kLong).contiguous();
+  std::vector<int64_t> ends(o.data_ptr<int64_t>(), o.data_ptr<int64_t>() + G);
+  int64_t prev = 0;
+  for (int64_t e : ends) {
+    TORCH_CHECK(prev <= e && e <= extent, "moe_cpu.grouped_mm: offs is not a partition of [0, ", extent, "]");
+    prev = e;
+  }
+  return ends;
+}
+
+const char* ptr(const Tensor& t, int64_t offset_elems) {
+  return static_cast<const char*>(t.data_ptr()) + offset_elems * (int64_t)t.element_size();
+}
+
+Task make_task(const Tensor& a, int64_t a_off, int64_t a_sm, int64_t a_sk, const Tensor& b, int64_t b_off,
+               int64_t b_sk, int64_t b_sn, const Tensor& c, int64_t c_off, int64_t c_sm, int64_t c_sn,
+               const Tensor* bias, int64_t g, int64_t m, int64_t n, int64_t k) {
+  Task t{};
+  t.a = ptr(a, a_off);
+  t.a_sm = a_sm;
+  t.a_sk = a_sk;
+  t.b = ptr(b, b_off);
+  t.b_sk = b_sk;
+  t.b_sn = b_sn;
+  t.c = const_cast<char*>(ptr(c, c_off));
+  t.c_sm = c_sm;
+  t.c_sn = c_sn;
+  t.bias = bias != nullptr ? ptr(*bias, g * bias->stride(0)) : nullptr;
+  t.bias_sn = bias != nullptr ? bias->stride(1) : 0;
+  t.m = m;
+  t.n = n;
+  t.k = k;
+  return t;
+}
+
+Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const c10::optional<Tensor>& offs,
+              const c10::optional<Tensor>& bias_opt, at::ScalarType out_dtype) {
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "moe_cpu.grouped_mm: CPU tensors only");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "moe_cpu.grouped_mm: mat_a and mat_b dtypes differ");
+  (void)to_dt(a.scalar_type());  // raises for an unsupported dtype
+  TORCH_CHECK(out_dtype == a.scalar_type() || (out_dtype == at::kFloat && (a.scalar_type() == at::kBFloat16 ||
+                                                                           a.scalar_type() == at::kHalf)),
+              "moe_cpu.grouped_mm: out_dtype");
+  const Tensor* bias = bias_opt.has_value() && bias_opt->defined() ? &*bias_opt : nullptr;
+  const auto opts = a.options().dtype(out_dtype);
+  Problem p;
+  int64_t G = 0, N = 0;
+  if (layout == "2d3d") {
+    TORCH_CHECK(a.dim() == 2 && b.dim() == 3 && a.size(1) == b.size(1), "moe_cpu.grouped_mm: 2d3d shapes");
+    const int64_t M = a.size(0), K = a.size(1);
+    G = b.size(0);
+    N = b.size(2);
+    TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
+    const auto ends = read_offs(*offs, G, M);
+    p.out = new_output({M, N}, opts);
+    int64_t s = 0;
+    for (const auto g : c10::irange(G)) {
+      p.tasks.push_back(make_task(a, s * a.stride(0), a.stride(0), a.stride(1), b, g * b.stride(0), b.stride(1),
+                                  b.stride(2), p.out, s * N, N, 1, bias, g, ends[g] - s, N, K));
+      s = ends[g];
+    }
+    if (s < M) p.out.narrow(0, s, M - s).zero_();  // rows past offs[-1]
+  } else if (layout == "2d2d") {
+    TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "moe_cpu.grouped_mm: 2d2d shapes");
+    TORCH_CHECK(bias == nullptr, "moe_cpu.grouped_mm: no bias for 2d2d");
+    const int64_t M = a.size(0), K = a.size(1);
+    N = b.size(1);
+    TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
+    G = offs->size(0);
+    const auto ends = read_offs(*offs, G, K);
+    p.out = new_output({G, M, N}, opts);
+    int64_t s = 0;
+    for (const auto g : c10::irange(G)) {
+      // An empty group is a task with k == 0: its slice is written with zeros.
+      p.tasks.push_back(make_task(a, s * a.stride(1), a.stride(0), a.stride(1), b, s * b.stride(0), b.stride(0),
+                                  b.stride(1), p.out, g * M * N, N, 1, nullptr, g, M, N, ends[g] - s));
+      s = ends[g];
+    }
+  } else if (layout == "3d3d") {
+    TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
+                "moe_cpu.grouped_mm: 3d3d shapes");
+    G = a.size(0);
+    const int64_t M = a.size(1), K = a.size(2);
+    N = b.size(2);
+    p.out = new_output({G, M, N}, opts);
+    for (const auto g : c10::irange(G)) {
+      p.tasks.push_back(make_task(a, g * a.stride(0), a.stride(1), a.stride(2), b, g * b.stride(0), b.stride(1),
+                                  b.stride(2), p.out, g * M * N, N, 1, bias, g, M, N, K));
+    }
+  } else if (layout == "3d2d") {
+    TORCH_CHECK(a.dim() == 3 && b.dim() == 2 && a.size(2) == b.size(0), "moe_cpu.grouped_mm: 3d2d shapes");
+    TORCH_CHECK(bias == nullptr, "moe_cpu.grouped_mm: no bias for 3d2d");
+    G = a.size(0);
+    const int64_t M = a.size(1), K = a.size(2);
+    N = b.size(1);
+    TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
+    const auto ends = read_offs(*offs, G, N);
+    p.out = new_output({M, N}, opts);
+    int64_t s = 0;
+    for (const auto g : c10::irange(G)) {
+      p.tasks.push_back(make_task(a, g * a.stride(0), a.stride(1), a.stride(2), b, s * b.stride(1), b.stride(0),
+                                  b.stride(1), p.out, s, N, 1, nullptr, g, M, ends[g] - s, K));
+      s = ends[g];
+    }
+    if (s < N) p.out.narrow(1, s, N - s).zero_();  // columns past offs[-1]
+  } else {
+    TORCH_CHECK(false, "moe_cpu.grouped_mm: unknown layout ", layout);
+  }
+  if (bias != nullptr) {
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == G && bias->size(1) == N && bias->scalar_type() == a.scalar_type(),
+                "moe_cpu.grouped_mm: bias must be [G, N] in the inputs' dtype");
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tasks -> items, and the parallel region
+
+// Cuts every task into items: row chunks of at most `max_rows(k)`, and column chunks (multiples
+// of `n_align`) small enough that the largest item is at most 1/8 of one thread's share. With
+// dynamic scheduling that bounds the idle tail to about an eighth of a share, and items stay big
+// enough (>= 64 columns) for the packed block of B to pay off.
+template <typename MaxRows>
+std::vector<Item> make_items(const std::vector<Task>& tasks, int64_t threads, int64_t n_align, const MaxRows& max_rows) {
+  double total = 0;
+  for (const auto& t : tasks) total += (double)t.m * t.n * (double)std::max<int64_t>(t.k, 16);
+  const double cap = std::max(total / (8.0 * threads), 1.0);
+  std::vector<Item> items;
+  for (const auto i : c10::irange((int64_t)tasks.size())) {
+    const Task& t = tasks[i];
+    if (t.m == 0 || t.n == 0) continue;
+    const int64_t rows = max_rows(t.k);
+    for (int64_t m0 = 0; m0 < t.m; m0 += rows) {
+      const int64_t m1 = std::min(t.m, m0 + rows);
+      const double cost = (double)(m1 - m0) * t.n * (double)std::max<int64_t>(t.k, 16);
+      int64_t pieces = std::max<int64_t>(1, (int64_t)std::ceil(cost / cap));
+      pieces = std::min(pieces, std::max<int64_t>(1, t.n / std::max<int64_t>(64, n_align)));
+      const int64_t width = (t.n + pieces - 1) / pieces;
+      const int64_t step = (width + n_align - 1) / n_align * n_align;
+      for (int64_t n0 = 0; n0 < t.n; n0 += step) items.push_back({i, m0, m1, n0, std::min(t.n, n0 + step)});
+    }
+  }
+  return items;
+}
+
+// Runs body(item index, thread state) over all items on the threads of one parallel region.
+// Each thread owns a contiguous run of items of about equal cost and takes them in order, so it
+// reads the weights of consecutive groups as one stream (the kernels prefetch across the end of
+// a group); a thread that is done takes the remaining items of the others, so one descheduled
+// thread (the machine here is shared) does not hold up the call.
+template <typename Begin, typename Body, typename End>
+void run_items(const std::vector<double>& cost, const Begin& begin, const Body& body, const End& end) {
+  const int64_t n = (int64_t)cost.size();
+  if (n == 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  struct alignas(64) Run {
+    std::atomic<int64_t> next{0};
+    int64_t end = 0;
+  };
+  std::unique_ptr<Run[]> runs(new Run[threads]);
+  double total = 0;
+  for (double c : cost) total += c;
+  double acc = 0;
+  for (int64_t i = 0, t = 0; t < threads; ++t) {
+    runs[t].next.store(i, std::memory_order_relaxed);
+    while (i < n && (t == threads - 1 || acc + cost[i] / 2 <= total * (t + 1) / threads)) acc += cost[i++];
+    runs[t].end = i;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t tid = b; tid < e; ++tid) {
+      auto state = begin();
+      for (int64_t k = 0; k < threads; ++k) {
+        Run& r = runs[(tid + k) % threads];
+        for (int64_t i; (i = r.next.fetch_add(1, std::memory_order_relaxed)) < r.end;) body(i, state);
+      }
+      end(state);
+    }
+  });
+}
+
+std::vector<double> item_costs(const std::vector<Task>& tasks, const std::vector<Item>& items) {
+  std::vector<double> cost;
+  cost.reserve(items.size());
+  for (const Item& it : items) {
+    cost.push_back((double)(it.m1 - it.m0) * (double)(it.n1 - it.n0) * (double)std::max<int64_t>(tasks[it.task].k, 16));
+  }
+  return cost;
+}
+
+void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t n_align = (isa == Isa::amx && in == Dt::bf16) ? 32 : 64;
+  const auto items = make_items(tasks, threads, n_align, [&](int64_t k) { return x86::max_item_rows(isa, in, k); });
+  int64_t ws_bytes = 0;
+  for (const auto& t : tasks) ws_bytes = std::max(ws_bytes, x86::workspace_bytes(isa, in, t.k));
+  run_items(
+      item_costs(tasks, items),
+      [&] {
+        x86::thread_begin(isa, in);
+        // Per-thread scratch, reused across calls (packed operands: at most ~1 MiB for K <= 1024).
+        thread_local std::vector<char> scratch;
+        if ((int64_t)scratch.size() < ws_bytes + 64) scratch.resize(ws_bytes + 64);
+        return reinterpret_cast<void*>(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
+      },
+      [&](int64_t i, void* ws) { x86::run_item(isa, in, out, tasks[items[i].task], items[i], ws); },
+      [&](void*) { x86::thread_end(isa, in); });
+}
+
+// The portable path: ATen's mm (MKL / oneDNN / ATen's blas) on each item's views, single-threaded
+// inside the parallel region.
+void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>& tasks) {
+  const auto items = make_items(tasks, at::get_num_threads(), 16, [](int64_t) { return int64_t{256}; });
+  const auto acc = in == at::kDouble ? at::kDouble : at::kFloat;
+  const auto in_opts = at::TensorOptions().dtype(in);
+  run_items(
+      item_costs(tasks, items), [] { return 0; },
+      [&](int64_t i, int) {
+        const Item& it = items[i];
+        const Task& t = tasks[it.task];
+        const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, esz = c10::elementSize(in);
+        const int64_t osz = c10::elementSize(out);
+        auto a = at::from_blob(const_cast<char*>((const char*)t.a) + it.m0 * t.a_sm * esz, {rows, t.k},
+                               {t.a_sm, t.a_sk}, in_opts);
+        auto b = at::from_blob(const_cast<char*>((const char*)t.b) + it.n0 * t.b_sn * esz, {t.k, cols},
+                               {t.b_sk, t.b_sn}, in_opts);
+        auto c = at::from_blob((char*)t.c + (it.m0 * t.c_sm + it.n0 * t.c_sn) * osz, {rows, cols}, {t.c_sm, t.c_sn},
+                               at::TensorOptions().dtype(out));
+        if (t.bias == nullptr && out == in) {
+          at::mm_out(c, a, b);  // ATen's CPU mm accumulates bf16/fp16 in fp32 and rounds once
+          return;
+        }
+        auto r = at::mm(a.to(acc), b.to(acc));
+        if (t.bias != nullptr) {
+          r.add_(at::from_blob(const_cast<char*>((const char*)t.bias) + it.n0 * t.bias_sn * esz, {cols},
+                               {t.bias_sn}, in_opts)
+                     .to(acc));
+        }
+        c.copy_(r);
+      },
+      [](int) {});
+}
+
+// Groups with at least this many multiply-adds go to ATen's mm with all threads (oneDNN for bf16,
+// MKL for fp32), one after the other; the rest share one parallel region of items. Measured
+// here (1 thread, G=8, M=4096, K=1024, N=2048, bf16, Dirichlet groups of ~50..1500 rows): the
+// AMX items took 30-80 ms (their 2x2-tile blocking streams the weight tiles from L2 again for
+// every 32 rows), oneDNN on 256-row items 29-32 ms, one dense mm 21.6 ms. So large groups use
+// oneDNN/MKL whole, where one call has enough work for every thread; small groups are where
+// the items win (one trip through the thread pool instead of one per group). Only for
+// out_dtype == input dtype and no bias: ATen has no bf16 x bf16 -> fp32 mm, and the bias must
+// be added before the one rounding.
+constexpr double kBigTaskMacs = double(1 << 28);
+
+bool is_big(const Task& t) { return (double)t.m * (double)t.n * (double)t.k >= kBigTaskMacs; }
+
+void run_big(at::ScalarType dtype, const Task& t) {
+  const auto opts = at::TensorOptions().dtype(dtype);
+  auto a = at::from_blob(const_cast<void*>(t.a), {t.m, t.k}, {t.a_sm, t.a_sk}, opts);
+  auto b = at::from_blob(const_cast<void*>(t.b), {t.k, t.n}, {t.b_sk, t.b_sn}, opts);
+  auto c = at::from_blob(t.c, {t.m, t.n}, {t.c_sm, t.c_sn}, opts);
+  at::mm_out(c, a, b);
+}
+
+Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& mat_b, const c10::optional<Tensor>& offs,
+                  const c10::optional<Tensor>& bias, at::ScalarType out_dtype, int64_t isa_cap) {
+  Problem p = build(std::string(layout), mat_a, mat_b, offs, bias, out_dtype);
+  Isa isa = machine_isa();
+  if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
+  const auto dtype = mat_a.scalar_type();
+  std::vector<Task> small;
+  const bool whole_groups_ok = out_dtype == dtype && (dtype == at::kFloat || dtype == at::kBFloat16);
+  for (const Task& t : p.tasks) {
+    if (whole_groups_ok && t.bias == nullptr && is_big(t)) {
+      run_big(dtype, t);
+    } else {
+      small.push_back(t);
+    }
+  }
+  if (isa == Isa::generic) {
+    run_generic(dtype, out_dtype, small);
+  } else {
+#if defined(__x86_64__) || defined(_M_X64)
+    run_x86(isa, to_dt(dtype), to_dt(out_dtype), small);
+#endif
+  }
+  return p.out;
+}
+
+// Which kernel a call with this dtype runs here: "amx", "avx512" or "generic".
+std::string kernel_for(at::ScalarType dtype, int64_t isa_cap) {
+  Isa isa = machine_isa();
+  if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
+  if (isa == Isa::amx && dtype != at::kBFloat16) isa = Isa::avx512;
+  return isa_name(isa);
+}
+
+std::string machine() { return isa_name(machine_isa()); }
+
+}  // namespace
+}  // namespace moe_cpu
+
+TORCH_LIBRARY(moe_cpu, m) {
+  // isa: -1 = best for this machine, 0 = generic (ATen mm per item), 1 = AVX-512, 2 = AMX; a
+  // value above what the machine has means the best it has.
+  m.def("grouped_mm(str layout, Tensor mat_a, Tensor mat_b, Tensor? offs, Tensor? bias, ScalarType out_dtype, "
+        "int isa=-1) -> Tensor");
+  m.def("kernel_for(ScalarType dtype, int isa=-1) -> str", &moe_cpu::kernel_for);
+  m.def("machine() -> str", &moe_cpu::machine);
+}
+
+TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("grouped_mm", &moe_cpu::grouped_mm); }
+
+// `import moe_ops._cpu` loads this library, which registers the ops above (the pattern of
+// pytorch/extension-cpp: no pybind11, the module itself is empty).
+extern "C" PyObject* PyInit__cpu(void) {
+  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_cpu", "moe_ops' native CPU kernels (torch.ops.moe_cpu)",
+                                   -1, nullptr};
+  return PyModule_Create(&def);
+}

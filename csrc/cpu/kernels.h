@@ -1,0 +1,53 @@
+// Interface between the ATen glue (grouped_mm.cpp) and the x86 kernels (kernels_x86.cpp).
+//
+// Only plain C types cross this boundary: kernels_x86.cpp is compiled with AVX-512/AMX code
+// generation enabled and must not instantiate any template that another translation unit could
+// also instantiate (the linker would be free to pick the AVX-512 copy for code that runs on any
+// CPU). So it includes no ATen or standard C++ headers.
+#pragma once
+
+#include <stdint.h>
+
+namespace moe_cpu {
+
+enum class Dt : int32_t { f32 = 0, bf16 = 1, f16 = 2, f64 = 3 };
+
+// Instruction sets the kernels can use, best last. Picked at run time from CPUID and the OS.
+enum class Isa : int32_t { generic = 0, avx512 = 1, amx = 2 };
+
+// One matrix product C[m, n] = A[m, k] @ B[k, n] (+ bias[n]), strides in elements, any sign
+// or value. A group of a grouped_mm call is one Task. C is written completely (k == 0 gives
+// zeros, or the bias); the accumulation is in fp32 (fp64 for fp64) and C gets one rounding.
+struct Task {
+  const void* a;
+  int64_t a_sm, a_sk;
+  const void* b;
+  int64_t b_sk, b_sn;
+  void* c;
+  int64_t c_sm, c_sn;
+  const void* bias;  // nullptr or [n] in the input dtype
+  int64_t bias_sn;
+  int64_t m, n, k;
+};
+
+// The rows [m0, m1) and columns [n0, n1) of one task's C: the unit of work a thread takes.
+struct Item {
+  int64_t task;
+  int64_t m0, m1, n0, n1;
+};
+
+namespace x86 {
+
+// Largest number of rows of one Item for a problem with this k, so that the packed rows of A
+// stay in L2 (see kernels_x86.cpp).
+int64_t max_item_rows(Isa isa, Dt in, int64_t k);
+// Bytes of scratch one thread needs for items of a problem with this k.
+int64_t workspace_bytes(Isa isa, Dt in, int64_t k);
+// Called by each thread before / after its items (AMX: load / release the tile configuration).
+void thread_begin(Isa isa, Dt in);
+void thread_end(Isa isa, Dt in);
+// Computes one item. workspace: 64-byte aligned, workspace_bytes(...) long, owned by the thread.
+void run_item(Isa isa, Dt in, Dt out, const Task& task, const Item& item, void* workspace);
+
+}  // namespace x86
+}  // namespace moe_cpu

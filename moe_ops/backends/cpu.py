@@ -1,0 +1,90 @@
+"""The native CPU backend: a C++ kernel (csrc/cpu, built as ``moe_ops._cpu``) on the CPU key.
+
+The kernel registered here is ``torch.ops.moe_cpu.grouped_mm``, wrapped by ``kernel_entry``
+(which checks the call against the contract and validates offs values once, in Python). It
+splits the groups into (group, row block, column block) items that the threads of one
+at::parallel_for region share, and computes each item with:
+
+* "amx": bf16 on CPUs with AMX (tile matmuls, fp32 accumulation);
+* "avx512": fp32 / fp16 / fp64, and bf16 without AMX (AVX-512 FMA, fp32 or fp64 accumulation);
+* "aten": ATen's mm on the item's views (any other CPU, or ``MOE_OPS_CPU_ISA=generic``).
+
+Groups of at least 2**28 multiply-adds (bf16/fp32, no bias, output in the input dtype) are
+computed whole by ATen's mm with all threads (oneDNN/MKL), before the items.
+
+``MOE_OPS_CPU_ISA=generic|avx512`` caps the instruction set (read once per process). The
+compiled module is optional: when it is missing (no compiler at install time, a build with
+MOE_OPS_NO_EXTENSION=1), ``status()`` says why and the op computes CPU calls with the
+reference, logged once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from .._op import note_kernel, register_device_kernel
+from . import BackendUnavailable, Status
+
+NAME = "cpu"
+
+log = logging.getLogger("moe_ops")
+
+_loaded: bool | None = None
+_why_not = ""
+_kernel_names: dict = {}
+
+
+def _load() -> bool:
+    """Import moe_ops._cpu once (it registers torch.ops.moe_cpu); False, with a reason, if absent."""
+    global _loaded, _why_not
+    if _loaded is None:
+        try:
+            importlib.import_module("moe_ops._cpu")
+            _loaded = True
+        except (ImportError, OSError) as e:
+            _loaded = False
+            _why_not = (f"the C++ extension moe_ops._cpu is not built ({type(e).__name__}: {e}); "
+                        "reinstall with `pip install --no-build-isolation -e .` and a C++ compiler")
+            log.warning("moe_ops: %s; CPU calls use the reference", _why_not)
+    return _loaded
+
+
+def _kernel_name(dtype: torch.dtype) -> str:
+    name = _kernel_names.get(dtype)
+    if name is None:
+        isa = torch.ops.moe_cpu.kernel_for(dtype)
+        name = _kernel_names[dtype] = "cpu:" + ("aten" if isa == "generic" else isa)
+    return name
+
+
+def _run(p, mat_a, mat_b, offs, bias):
+    note_kernel(_kernel_name(p.dtype))
+    return torch.ops.moe_cpu.grouped_mm(p.layout, mat_a, mat_b, offs, bias, p.out_dtype)
+
+
+def _impl(p, mat_a, mat_b, offs, bias):
+    if not _load():
+        raise NotImplementedError(_why_not)  # kernel_entry computes the call with the reference
+    return _run(p, mat_a, mat_b, offs, bias)
+
+
+def register() -> None:
+    register_device_kernel("cpu", "cpu", _impl)
+
+
+def run_here(p, mat_a, mat_b, offs, bias):
+    """The native kernel on CPU tensors (already validated, as from kernel_entry)."""
+    if not _load():
+        raise BackendUnavailable(_why_not)
+    return _run(p, mat_a, mat_b, offs, bias)
+
+
+def status() -> Status:
+    if not _load():
+        return Status(NAME, ("CPU",), None, _why_not)
+    kernels = ", ".join(f"{d}: {_kernel_name(getattr(torch, d))}" for d in ("bfloat16", "float32", "float16", "float64"))
+    return Status(NAME, ("CPU",), "native",
+                  f"C++ kernel, {torch.get_num_threads()} threads, {torch.ops.moe_cpu.machine()} CPU ({kernels})")

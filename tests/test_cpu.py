@@ -1,0 +1,229 @@
+"""Tests of what is specific to the native CPU backend (the shared property suite covers the
+contract for it, on the best instruction set of this machine).
+
+Categories:
+* the extension is built, registered on the CPU key, and serves the op, forward and backward,
+  eager and compiled;
+* every instruction-set level this machine has (ATen fallback, AVX-512, AMX) against the float64
+  oracle, since the property suite only runs the best one;
+* the work split: many tiny and empty groups, results bitwise identical for any thread count;
+* memory: uninitialised outputs and reused scratch never leak into results (NaN poisoning),
+  and element offsets past 2**31 are computed in 64 bits;
+* without the compiled module the package still works, says why, and uses the reference;
+* a smoke run of the benchmark script (no timing assertions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import moe_ops
+from moe_ops import backends
+from moe_ops.testing import assert_close
+from oracle import magnitude, oracle
+from strategies import Case, build, cases
+
+cpu_backend = backends.module("cpu")
+pytestmark = pytest.mark.skipif(cpu_backend.status().mode is None,
+                                reason=f"backend cpu cannot run here: {cpu_backend.status().detail}")
+
+ISA = {"generic": 0, "avx512": 1, "amx": 2}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def machine_levels():
+    best = ISA[torch.ops.moe_cpu.machine()]
+    return [pytest.param(name, marks=[] if level <= best else
+                         pytest.mark.skip(reason=f"this CPU has no {name} (best: {torch.ops.moe_cpu.machine()})"))
+            for name, level in ISA.items()]
+
+
+def served(dtype) -> str:
+    """The kernel name the op records for a CPU call in this dtype."""
+    isa = torch.ops.moe_cpu.kernel_for(dtype)
+    return "cpu:" + ("aten" if isa == "generic" else isa)
+
+
+def run(case_or_args, isa="amx"):
+    a, b, offs, bias, out_dtype = case_or_args
+    layout = ("3d" if a.dim() == 3 else "2d") + ("3d" if b.dim() == 3 else "2d")
+    return torch.ops.moe_cpu.grouped_mm(layout, a, b, offs, bias, out_dtype or a.dtype, ISA[isa])
+
+
+def check(out, a, b, offs, bias, out_dtype, what=""):
+    assert_close(out, oracle(a, b, offs, bias, out_dtype, exact=True), oracle(a, b, offs, bias, out_dtype, exact=False),
+                 magnitude(a, b, offs, bias), what=what)
+
+
+def test_extension_serves_the_op_forward_and_backward():
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("moe::grouped_mm", "CPU")
+    a = torch.randn(40, 24, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 24, 16, dtype=torch.float64, requires_grad=True)
+    offs = torch.tensor([10, 10, 33], dtype=torch.int32)
+    moe_ops.reset_kernel_counts()
+    moe_ops.grouped_mm(a, b, offs).square().sum().backward()
+    # forward, d mat_a (2d3d), d mat_b (2d2d): all three on the native kernel
+    assert moe_ops.kernel_counts() == {served(torch.float64): 3}
+    assert torch.count_nonzero(b.grad[1]) == 0  # the empty expert gets an exactly zero gradient
+
+
+def test_gradcheck_through_the_native_kernel():
+    a = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int64)
+    assert torch.autograd.gradcheck(lambda x, y, z: moe_ops.grouped_mm(x, y, offs, z), (a, b, bias))
+
+
+def test_compiled_graph_runs_the_native_kernel():
+    a = torch.randn(64, 32, dtype=torch.bfloat16)
+    w = torch.randn(4, 48, 32, dtype=torch.bfloat16)
+    offs = torch.tensor([5, 30, 30, 60], dtype=torch.int32)
+    f = torch.compile(lambda x, y, o: torch.relu(moe_ops.grouped_mm(x, y.transpose(1, 2), o)), fullgraph=True)
+    moe_ops.reset_kernel_counts()
+    out = f(a, w, offs)
+    assert moe_ops.kernel_counts() == {served(torch.bfloat16): 1}
+    torch.testing.assert_close(out, torch.relu(moe_ops.reference.grouped_mm(a, w.transpose(1, 2), offs)), atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("isa", machine_levels())
+def test_every_instruction_set_matches_the_oracle(isa):
+    @settings(max_examples=40)
+    @given(case=cases())
+    def run_case(case):
+        args = build(case)
+        check(run(args, isa), *args, what=f"{isa} {case}")
+
+    run_case()
+
+
+@pytest.mark.parametrize("isa", machine_levels())
+def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
+    gen = torch.Generator().manual_seed(3)
+    G, M, K, N = 600, 700, 40, 72
+    sizes = torch.randint(0, 3, (G,), generator=gen)  # groups of 0, 1 or 2 rows
+    offs = torch.cumsum(sizes, 0).clamp(max=M).to(torch.int32)
+    a = torch.randn(M, K, generator=gen).bfloat16()
+    b = torch.randn(G, N, K, generator=gen).bfloat16().transpose(1, 2)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(run((a, b, offs, None, None), isa))
+    finally:
+        torch.set_num_threads(before)
+    check(outs[0], a, b, offs, None, None, what=isa)
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])  # no split-K: each output element has one summation order
+
+
+@pytest.mark.parametrize("isa", machine_levels())
+def test_stale_nan_in_scratch_and_output_memory_never_leaks(isa):
+    """A call on NaN/Inf inputs leaves NaN in the per-thread scratch and in freed output memory;
+    later calls with partial tiles (odd sizes, K % 32 != 0, empty groups, trailing rows, K = 0)
+    must not pick any of it up."""
+    bad_a = torch.full((300, 200), float("nan")).bfloat16()
+    bad_b = torch.full((4, 200, 130), float("inf")).bfloat16()
+    run((bad_a, bad_b, torch.tensor([50, 100, 200, 300]), None, None), isa)
+    del bad_a, bad_b
+    poison = torch.full((1 << 16,), float("nan"))  # freed just before the outputs are allocated
+    del poison
+    for layout, stride_b in (("2d3d", "contiguous"), ("2d3d", "transposed"), ("2d2d", "contiguous"),
+                             ("3d2d", "strided"), ("3d3d", "transposed")):
+        for K in (0, 7, 45):
+            for dtype, out_dtype in ((torch.bfloat16, None), (torch.bfloat16, torch.float32), (torch.float32, None),
+                                     (torch.float16, None), (torch.float64, None)):
+                extent = {"2d3d": 61, "2d2d": K, "3d2d": 37, "3d3d": None}[layout]
+                offs = None if extent is None else (0, extent // 3, extent // 3, max(0, extent - 5))
+                case = Case(layout, 4, 61, K, 37, dtype, offs, torch.int64, "contiguous", stride_b,
+                            layout in ("2d3d", "3d3d"), out_dtype, seed=K)
+                args = build(case)
+                out = run(args, isa)
+                assert not out.isnan().any(), f"{isa} {case}"
+                check(out, *args, what=f"{isa} {case}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d", "3d3d"])
+def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
+    """Groups of >= 2**28 multiply-adds take ATen's multi-threaded mm, the others the items; one
+    call mixes both (and a group with a bias or fp32 output never takes the mm path)."""
+    gen = torch.Generator().manual_seed(1)
+    big, K, N = 1040, 512, 520  # 1040 * 512 * 520 > 2**28
+    shapes = {"2d3d": ((big + 70, K), (3, K, N)), "2d2d": ((N, big + 70), (big + 70, K)),
+              "3d2d": ((3, big, K), (K, 2 * N)), "3d3d": ((2, big, K), (2, K, N))}
+    offs = {"2d3d": [10, 10 + big, big + 60], "2d2d": [50, 50 + big, big + 60], "3d2d": [7, 7, N + 7], "3d3d": None}
+    sa, sb = shapes[layout]
+    a = torch.randn(*sa, generator=gen).to(dtype)
+    b = torch.randn(*sb, generator=gen).to(dtype)
+    o = None if offs[layout] is None else torch.tensor(offs[layout], dtype=torch.int32)
+    for out_dtype in ([None, torch.float32] if dtype == torch.bfloat16 else [None]):
+        out = run((a, b, o, None, out_dtype), "amx")
+        ref64 = moe_ops.reference.grouped_mm(a.double(), b.double(), o)
+        ref_same = moe_ops.reference.grouped_mm(a, b, o, out_dtype=out_dtype)
+        mag = moe_ops.reference.grouped_mm(a.double().abs(), b.double().abs(), o)
+        assert_close(out, ref64, ref_same, mag, what=f"{layout} {dtype} {out_dtype}")
+
+
+def test_element_offsets_past_2_to_the_31(tmp_path):
+    """mat_b's groups 2**31 + 17 elements apart (a sparse file mapped copy-on-write, so only the
+    touched pages take memory): every offset is computed in 64 bits."""
+    n = (1 << 31) + 17 + 16 * 24 + 64
+    path = tmp_path / "sparse.bin"
+    with open(path, "wb") as f:
+        f.truncate(n * 4)
+    base = torch.from_file(str(path), shared=False, size=n, dtype=torch.float32)
+    b = base.as_strided((2, 16, 24), ((1 << 31) + 17, 24, 1))
+    gen = torch.Generator().manual_seed(0)
+    b.copy_(torch.randn(2, 16, 24, generator=gen))
+    a = torch.randn(30, 16, generator=gen)
+    offs = torch.tensor([11, 30], dtype=torch.int32)
+    for isa in ("generic", "avx512"):
+        if ISA[isa] <= ISA[torch.ops.moe_cpu.machine()]:
+            check(run((a, b, offs, None, None), isa), a, b, offs, None, None, what=isa)
+    check(moe_ops.grouped_mm(a, b, offs), a, b, offs, None, None, what="op")
+
+
+def test_without_the_compiled_module_the_reference_serves_cpu_calls():
+    code = (
+        "import sys, logging\n"
+        "sys.modules['moe_ops._cpu'] = None  # as if the extension had not been built\n"
+        "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+        "import torch, moe_ops\n"
+        "from moe_ops import backends\n"
+        "s = [s for s in backends.statuses() if s.name == 'cpu'][0]\n"
+        "print('MODE', s.mode)\n"
+        "print('DETAIL', s.detail)\n"
+        "a = torch.randn(10, 4); b = torch.randn(2, 4, 3); offs = torch.tensor([3, 10])\n"
+        "for _ in range(3):\n"
+        "    out = moe_ops.grouped_mm(a, b, offs)\n"
+        "torch.testing.assert_close(out, moe_ops.reference.grouped_mm(a, b, offs))\n"
+        "print('COUNTS', moe_ops.kernel_counts())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "MODE None" in r.stdout and "moe_ops._cpu is not built" in r.stdout
+    assert "COUNTS {'reference': 3}" in r.stdout
+    assert r.stderr.count("CPU calls use the reference") == 1  # the backend's warning, once
+    assert r.stderr.count("does not serve this call") == 1  # kernel_entry's fallback note, once
+
+
+def test_benchmark_smoke(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench.py"), "--quick", "--devices", "cpu",
+                        "--dtypes", "bf16", "--out-dir", str(tmp_path), "--no-plot"],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "cpu.json").read_text())
+    assert data["results"], "no results"
+    for row in data["results"]:
+        op = row["peers"]["moe_ops"]
+        assert "median_ms" in op and op["kernel"].startswith("cpu:"), row
+        assert "median_ms" in row["peers"]["dense torch.mm"]
