@@ -6,14 +6,14 @@
 // file forms stays inside its tensor whatever the caller passes).
 //
 // Every group is one Task (C = A @ B + bias on strided views). Groups with at least 2^28
-// multiply-adds (and out_dtype == input dtype, no bias) go to ATen's mm with all threads, one
-// after the other (oneDNN / MKL are at their best there). The others are cut into Items of at
-// most a few hundred rows and enough columns that every thread gets work, and the threads of one
-// at::parallel_for region take items from a shared counter until none are left. So many small
-// groups keep all cores busy with one trip through the thread pool per call (a loop of torch.mm
-// makes one per group, each split across the threads). Each item runs an x86 kernel (AMX for
-// bf16, AVX-512 FMA otherwise; kernels_x86.cpp) or, on other CPUs, ATen's mm on the item's
-// views, single-threaded inside the region.
+// multiply-adds in bf16, 2^26 in fp32 (and out_dtype == input dtype, no bias) go to ATen's mm
+// with all threads, one after the other (oneDNN / MKL are at their best there). The others are
+// cut into Items of at most a few hundred rows and enough columns that every thread gets work,
+// and the threads of one at::parallel_for region take items from a shared counter until none
+// are left. So many small groups keep all cores busy with one trip through the thread pool per
+// call (a loop of torch.mm makes one per group, each split across the threads). Each item runs
+// an x86 kernel (AMX for bf16, AVX-512 FMA otherwise; kernels_x86.cpp) or, on other CPUs,
+// ATen's mm on the item's views, single-threaded inside the region.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -398,9 +398,19 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
 // the items win (one trip through the thread pool instead of one per group). Only for
 // out_dtype == input dtype and no bias: ATen has no bf16 x bf16 -> fp32 mm, and the bias must
 // be added before the one rounding.
+// fp32 hands groups to MKL from 2^26 multiply-adds (m >= 64 rows at K = 1024, N = 1024): its
+// sgemm is faster per FLOP than our FMA kernel, so at K >= 1024 the items only win on small
+// groups. Measured here (2 threads, 15 interleaved rounds, medians, time / dense mm), 2^28 ->
+// 2^26: OLMoE /2 (G=64, M=4096, K=1024, N=512) fwd x2.24 -> x2.10 (torch._grouped_mm x2.15);
+// Mixtral /4 (G=8, M=1024, K=1024, N=3584) fwd x1.52 -> x1.46 (x1.55); G=64, M=2048, K=N=512
+// x2.39 -> x2.30 (x3.08). All groups through MKL: x2.03, x1.46, x3.11.
 constexpr double kBigTaskMacs = double(1 << 28);
+constexpr double kBigTaskMacsF32 = double(1 << 26);
 
-bool is_big(const Task& t) { return (double)t.m * (double)t.n * (double)t.k >= kBigTaskMacs; }
+bool is_big(const Task& t, at::ScalarType dtype) {
+  const double macs = (double)t.m * (double)t.n * (double)t.k;
+  return macs >= (dtype == at::kFloat ? kBigTaskMacsF32 : kBigTaskMacs);
+}
 
 void run_big(at::ScalarType dtype, const Task& t) {
   const auto opts = at::TensorOptions().dtype(dtype);
@@ -419,7 +429,7 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   std::vector<Task> small;
   const bool whole_groups_ok = out_dtype == dtype && (dtype == at::kFloat || dtype == at::kBFloat16);
   for (const Task& t : p.tasks) {
-    if (whole_groups_ok && t.bias == nullptr && is_big(t)) {
+    if (whole_groups_ok && t.bias == nullptr && is_big(t, dtype)) {
       run_big(dtype, t);
     } else {
       small.push_back(t);
