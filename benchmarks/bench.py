@@ -5,7 +5,8 @@
     python benchmarks/bench.py --threads 2 --out-dir benchmarks/results
 
 For each case (shape x mode x dtype, see cases.py) all peers (peers.py) run in one process,
-interleaved round-robin (the starting peer rotates every round), and each is summarized by the
+interleaved (each round runs every peer once, in a fresh seeded random order, so no peer always
+follows the one that just pulled the same weights into cache), and each is summarized by the
 median of its rounds; the ratio is that median over the dense roofline's median (one torch.mm
 with the same M, K, N). Every peer's result is checked once against the reference first. It
 prints a table, the issue's CPU targets, writes <device>.json / .md / .png into --out-dir.
@@ -18,6 +19,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -61,7 +63,7 @@ def _check(out, ref, dtype) -> str:
 
 
 def run_case(fns: dict, sync, budget_s: float, min_reps: int, max_reps: int) -> dict:
-    """{peer: [seconds per round]} with the peers interleaved round-robin. Peers slower than 10x
+    """{peer: [seconds per round]}, every round in a new seeded random order. Peers slower than 10x
     the dense roofline (and 50 ms) are timed in the first 3 rounds only: they are far from the
     question asked, and at 0.1-2 s a call they would take most of the run."""
     warm = {}
@@ -75,8 +77,9 @@ def run_case(fns: dict, sync, budget_s: float, min_reps: int, max_reps: int) -> 
     reps = max(min_reps, min(max_reps, int(budget_s / max(per_round, 1e-9))))
     names = list(fns)
     times = {n: [] for n in names}
+    order = random.Random(0)
     for r in range(reps):
-        for n in names[r % len(names):] + names[: r % len(names)]:
+        for n in order.sample(names, len(names)):
             if n in slow and r >= 3:
                 continue
             t0 = time.perf_counter()
