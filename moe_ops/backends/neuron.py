@@ -199,18 +199,26 @@ def _jit(kernel):
     return neuron_nki._real_nki().nki.jit(kernel)
 
 
-def xla_impl(p: Problem, a, b, offs, bias):
-    """moe::grouped_mm on a Neuron XLA device: nki.jit kernels where nki imports, else block-wise PyTorch."""
+def _on_device(p: Problem, a, b, offs, bias, *, nki_ready: bool, compile_kernel, names: tuple):
+    """The NKI kernels (``compile_kernel(kernel)`` makes one callable on the device) where the
+    SDK is ready and the problem fits them, else the block-wise PyTorch path on the device.
+    names: what ``kernel_counts`` calls the two (NKI, block-wise)."""
     _check_served(p)
-    if nki_status()[0] and nki_fits(p):
-        note_kernel("xla:neuron-nki")
+    if nki_ready and nki_fits(p):
+        note_kernel(names[0])
         call = _kernel_call(p, a, b, offs, bias)
         if call is None:
             return _by_shape(p, a)
         kernel, args, kwargs = call
-        return _jit(kernel)(*args, **kwargs)
-    note_kernel("xla:neuron-blockwise")
+        return compile_kernel(kernel)(*args, **kwargs)
+    note_kernel(names[1])
     return neuron_blockwise.compute(p, a, b, offs, bias)
+
+
+def xla_impl(p: Problem, a, b, offs, bias):
+    """moe::grouped_mm on a Neuron XLA device: nki.jit kernels where nki imports, else block-wise PyTorch."""
+    return _on_device(p, a, b, offs, bias, nki_ready=nki_status()[0], compile_kernel=_jit,
+                      names=("xla:neuron-nki", "xla:neuron-blockwise"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,13 +244,5 @@ def _torchneuron_op(kernel):
 def privateuse1_impl(p: Problem, a, b, offs, bias):
     """moe::grouped_mm on TorchNeuron's "neuron" device: NKI kernels through nki_op where the SDK
     imports, else block-wise PyTorch on the device."""
-    _check_served(p)
-    if _torch_neuronx_nki()[0] and nki_fits(p):
-        note_kernel("neuron:nki")
-        call = _kernel_call(p, a, b, offs, bias)
-        if call is None:
-            return _by_shape(p, a)
-        kernel, args, kwargs = call
-        return _torchneuron_op(kernel)(*args, **kwargs)
-    note_kernel("neuron:blockwise")
-    return neuron_blockwise.compute(p, a, b, offs, bias)
+    return _on_device(p, a, b, offs, bias, nki_ready=_torch_neuronx_nki()[0], compile_kernel=_torchneuron_op,
+                      names=("neuron:nki", "neuron:blockwise"))
