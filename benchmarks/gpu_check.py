@@ -257,7 +257,9 @@ def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float 
                   flops_forward=flops(case, "forward"), impls={})
 
     def loop(x, y):
-        return torch.cat([x[s:e] @ y[g] for g, (s, e) in enumerate(bounds)])
+        # unbind, not y[g]: the backward of G selects adds G zero-filled [G, K, N] gradients
+        # (H200, DeepSeek-V3 shapes: ~2 s per backward); unbind's backward stacks them once.
+        return torch.cat([x[s:e] @ w for w, (s, e) in zip(y.unbind(0), bounds)])
 
     # torch._grouped_mm gets mat_b row-major if it takes it, else column-major ([G, N, K] storage
     # viewed as [G, K, N]), decided once, outside the timings.
