@@ -279,8 +279,8 @@ def tile_config(arch: int, dtype: torch.dtype, rows_per_group: Optional[int] = N
     * pipeline stages: as many operand tiles as fit in 3/4 of the architecture's shared memory
       (the rest is left to the epilogue), between 2 and 4. E.g. 128x256x64 bf16 is 48 KiB per
       stage: 3 stages on sm_90 (144 KiB of 227).
-    * persistent programs per SM: 2 for 4-warp configurations whose two pipelines fit in that
-      3/4, else 1.
+    * persistent programs per SM: 2 for 4-warp configurations whose two pipelines fit in shared
+      memory with 32 KiB to spare (e.g. 64x128x64 bf16 on sm_90/sm_100: 2 x 4 x 24 KiB), else 1.
     """
     tensor_cores = dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and fp32_precision() != "ieee")
     element = torch.finfo(dtype).bits // 8
@@ -299,8 +299,11 @@ def tile_config(arch: int, dtype: torch.dtype, rows_per_group: Optional[int] = N
     per_stage = (BM * BK + BK * BN) * element
     smem = _SMEM_KIB.get(arch, _SMEM_KIB_OTHER) * 1024
     stages = max(2, min(4, smem * 3 // 4 // per_stage))
-    # A second program per SM hides the epilogue of the first when both fit (4-warp configs).
-    per_sm = 2 if warps == 4 and 2 * stages * per_stage <= smem * 3 // 4 else 1
+    # A second program per SM hides the epilogue of the first when both pipelines fit with 32 KiB
+    # left for the epilogues (4-warp configs). H200 (2026-11-29, benchmarks/gpu_tile_sweep.py,
+    # Qwen3-30B-A3B, 4096 rows): 64x128x64 with 4 stages took 0.104 / 0.116 ms (forward / input
+    # gradient) as one program per SM and 0.092 / 0.095 ms as two; torch._grouped_mm 0.105 / 0.111.
+    per_sm = 2 if warps == 4 and 2 * stages * per_stage + (32 << 10) <= smem else 1
     return TileConfig(BM, BN, BK, GROUP_M=8, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
                       epilogue_split=BN >= 256)
 
