@@ -11,15 +11,16 @@ torch >= 2.9 and triton >= 3.4 too); the suite needs pytest and hypothesis. Writ
 ``gpu_check.json`` (updated after every step, so a run cut short keeps what it measured),
 ``pytest.log`` and ``pytest.xml`` into the output directory.
 
-Phase 1, the suite: ``pytest tests -k "cuda and not compile and not interpreter and not
-blackwell"`` with MOE_OPS_REQUIRE_BACKENDS=cuda (tests/test_cuda_blackwell.py is ahead-of-time
-compiles and planning, which CI runs; on an sm_100 GPU the property suite below reaches the
-Blackwell kernel through the op where nvidia-cutlass-dsl is installed): the shared property
-suite for the implementations "cuda" (the backend's kernel on the GPU through run_here) and
-"op@cuda" (the whole op on CUDA tensors), the selection tests and tests/test_cuda_device.py (no host sync, CUDA-graph capture, autograd,
-results past 2^31 elements). Hypothesis draws ``--examples`` examples per property (this file
-is also loaded as a pytest plugin, ``-p gpu_check``, to set that), because every new argument
-specialisation costs a Triton compile.
+Phase 1, the suite: ``pytest tests --ignore=tests/test_cuda_blackwell.py -k "cuda and not
+compile and not interpreter"`` with MOE_OPS_REQUIRE_BACKENDS=cuda: the shared property suite for
+the implementations "cuda" (the backend's kernel on the GPU through run_here) and "op@cuda" (the
+whole op on CUDA tensors), the selection tests and tests/test_cuda_device.py (no host sync,
+CUDA-graph capture, autograd, results past 2^31 elements). test_cuda_blackwell.py is
+ahead-of-time compiles and planning, which CI runs; on an sm_100 GPU with nvidia-cutlass-dsl
+installed the property suite reaches the Blackwell kernel through the op. Hypothesis draws
+``--examples`` examples per property (this file is also loaded as a pytest plugin,
+``-p gpu_check``, to set that), because every new argument specialisation costs a Triton
+compile.
 
 Phase 2, benchmarks, bf16: for each MoE shape (Mixtral 8x7B, DeepSeek-V3, Qwen3-30B-A3B expert
 GEMMs) and M routed rows, forward (2Dx3D) and forward+backward (adds 2Dx3D with mat_b
@@ -167,8 +168,8 @@ def run_suite(out_dir: Path, timeout_s: float, examples: int) -> dict:
     if missing:
         return {"status": "skipped", "reason": f"not installed: {', '.join(missing)}"}
     log_path, xml_path = out_dir / "pytest.log", out_dir / "pytest.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "tests",
-           "-k", "cuda and not compile and not interpreter and not blackwell",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "tests", "--ignore=tests/test_cuda_blackwell.py",
+           "-k", "cuda and not compile and not interpreter",
            "-p", "gpu_check", "-p", "no:cacheprovider", f"--junitxml={xml_path}"]
     env = dict(os.environ, MOE_OPS_REQUIRE_BACKENDS="cuda", MOE_OPS_GPU_CHECK_EXAMPLES=str(examples),
                PYTHONUNBUFFERED="1",
