@@ -51,7 +51,12 @@ class Problem:
 
 def _fail_unless(cond, error_type, message: str) -> None:
     # torch._check_with accepts SymBools: under dynamic shapes it records a runtime assert
-    # instead of specialising on the symbol.
+    # instead of specialising on the symbol. Plain bools (eager calls) skip it: it costs ~2 us a
+    # check, a third of check_args on CPU.
+    if cond is True:
+        return
+    if cond is False:
+        raise error_type(message)
     torch._check_with(error_type, cond, lambda: message)
 
 
