@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_check import MODELS, group_sizes  # noqa: E402
+from gpu_check import MODELS, _time_ms, group_sizes  # noqa: E402
 from moe_ops import _contract  # noqa: E402
 
 # (BM, BN, BK, num_warps, num_stages, programs_per_sm): around the heuristic's sm_90 choices
@@ -44,23 +43,9 @@ CANDIDATES = [
 ]
 
 
-def time_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    inner = max(1, min(20, int(2e-3 / max(time.perf_counter() - t0, 1e-6))))
-    times = []
-    for _ in range(reps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / inner)
-    return statistics.median(times)
+def time_ms(fn) -> float:
+    """Median ms of one call: gpu_check's CUDA-event timing of batches of calls."""
+    return _time_ms(fn, torch.device("cuda"), budget_s=0.3)
 
 
 def loop_reference(a, b, offs):
