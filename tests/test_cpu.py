@@ -227,7 +227,9 @@ def test_the_suite_collects_without_the_compiled_module():
         "import pytest\n"
         "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests']))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    # The extension is missing on purpose here, so CI's demand for the cpu backend does not apply.
+    env = {k: v for k, v in os.environ.items() if k != "MOE_OPS_REQUIRE_BACKENDS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
