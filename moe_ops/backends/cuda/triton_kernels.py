@@ -116,17 +116,8 @@ def _rows_kernel(
             g64 = tl.cast(g, tl.int64)
             a_ptrs = a_ptr + g64 * s_ag + rm[:, None] * s_am + rk0[None, :] * s_ak
             b_ptrs = b_ptr + g64 * s_bg + rk0[:, None] * s_bk + rn[None, :] * s_bn
-            acc = tl.full((BM, BN), 0, ACC_DTYPE)
-            for kt in range(0, num_k):
-                k_ok = rk0 < K - kt * BK
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                if DOT_UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC_DTYPE)
-                a_ptrs += BK * s_ak
-                b_ptrs += BK * s_bk
+            acc = _k_loop(a_ptrs, b_ptrs, row_ok, col_ok, K, num_k, s_ak, s_bk,
+                          BM, BN, BK, ACC_DTYPE, PRECISION, DOT_UPCAST)
             _epilogue(acc, out_ptr, g64 * s_og + rm * s_om, row_ok, n_tile * BN, N, s_on,
                       bias_ptr, g64 * s_biasg, s_biasn, HAS_BIAS, BN, ACC_DTYPE, EPILOGUE_SPLIT)
             tile += NUM_PROGRAMS
@@ -192,19 +183,32 @@ def _ragged_k_kernel(
         rk = k_start + rk0
         a_ptrs = a_ptr + rm[:, None] * s_am + rk[None, :] * s_ak
         b_ptrs = b_ptr + rk[:, None] * s_bk + rn[None, :] * s_bn
-        acc = tl.full((BM, BN), 0, ACC_DTYPE)
-        for kt in range(0, k_steps):
-            k_ok = rk0 < k_end - k_start - kt * BK
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if DOT_UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC_DTYPE)
-            a_ptrs += BK * s_ak
-            b_ptrs += BK * s_bk
+        acc = _k_loop(a_ptrs, b_ptrs, row_ok, col_ok, k_end - k_start, k_steps, s_ak, s_bk,
+                      BM, BN, BK, ACC_DTYPE, PRECISION, DOT_UPCAST)
         _epilogue(acc, out_ptr, tl.cast(g, tl.int64) * s_og + rm * s_om, row_ok, n_tile * BN, N, s_on,
                   out_ptr, 0, 0, False, BN, ACC_DTYPE, EPILOGUE_SPLIT)
+
+
+@triton.jit
+def _k_loop(a_ptrs, b_ptrs, row_ok, col_ok, k_len, k_steps, s_ak, s_bk,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC_DTYPE: tl.constexpr,
+            PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """The [BM, BN] tile sum over k < k_len of a[rows, k] * b[k, cols], BK at a time: a_ptrs /
+    b_ptrs point at the first [BM, BK] / [BK, BN] blocks and step by BK * s_ak / BK * s_bk;
+    rows, columns and k past their ends are masked to zero."""
+    rk0 = tl.arange(0, BK).to(tl.int64)
+    acc = tl.full((BM, BN), 0, ACC_DTYPE)
+    for kt in range(0, k_steps):
+        k_ok = rk0 < k_len - kt * BK
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC_DTYPE)
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+    return acc
 
 
 @triton.jit
