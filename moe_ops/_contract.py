@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -49,15 +49,16 @@ class Problem:
     extent: Optional[int]
 
 
-def _fail_unless(cond, error_type, message: str) -> None:
+def _fail_unless(cond, error_type, message: Callable[[], str]) -> None:
     # torch._check_with accepts SymBools: under dynamic shapes it records a runtime assert
     # instead of specialising on the symbol. Plain bools (eager calls) skip it: it costs ~2 us a
-    # check, a third of check_args on CPU.
+    # check, a third of check_args on CPU. The message is built only on failure (formatting
+    # the shapes of every call cost another ~2 us).
     if cond is True:
         return
     if cond is False:
-        raise error_type(message)
-    torch._check_with(error_type, cond, lambda: message)
+        raise error_type(message())
+    torch._check_with(error_type, cond, message)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -126,32 +127,35 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
         M, K = mat_a.shape
         G, Kb, N = mat_b.shape
         out_shape, extent = (M, N), M
-        k_msg = f"mat_a is [M, K] = {tuple(mat_a.shape)} and mat_b is [G, K, N] = {tuple(mat_b.shape)}"
+        a_dims, b_dims = "[M, K]", "[G, K, N]"
     elif not a3 and not b3:
         layout = LAYOUT_2D2D
         M, K = mat_a.shape
         Kb, N = mat_b.shape
         G = offs.shape[0] if offs is not None and offs.dim() == 1 else 1
         out_shape, extent = (G, M, N), K
-        k_msg = f"mat_a is [M, K] = {tuple(mat_a.shape)} and mat_b is [K, N] = {tuple(mat_b.shape)}"
+        a_dims, b_dims = "[M, K]", "[K, N]"
     elif a3 and b3:
         layout = LAYOUT_3D3D
         G, M, K = mat_a.shape
         Gb, Kb, N = mat_b.shape
         _fail_unless(
             G == Gb, ValueError,
-            f"mat_a and mat_b must have the same number of groups G: mat_a is [G, M, K] = "
+            lambda: f"mat_a and mat_b must have the same number of groups G: mat_a is [G, M, K] = "
             f"{tuple(mat_a.shape)}, mat_b is [G, K, N] = {tuple(mat_b.shape)}",
         )
         out_shape, extent = (G, M, N), None
-        k_msg = f"mat_a is [G, M, K] = {tuple(mat_a.shape)} and mat_b is [G, K, N] = {tuple(mat_b.shape)}"
+        a_dims, b_dims = "[G, M, K]", "[G, K, N]"
     else:
         layout = LAYOUT_3D2D
         G, M, K = mat_a.shape
         Kb, N = mat_b.shape
         out_shape, extent = (M, N), N
-        k_msg = f"mat_a is [G, M, K] = {tuple(mat_a.shape)} and mat_b is [K, N] = {tuple(mat_b.shape)}"
-    _fail_unless(K == Kb, ValueError, f"K mismatch: {k_msg}")
+        a_dims, b_dims = "[G, M, K]", "[K, N]"
+    _fail_unless(
+        K == Kb, ValueError,
+        lambda: f"K mismatch: mat_a is {a_dims} = {tuple(mat_a.shape)} and mat_b is {b_dims} = {tuple(mat_b.shape)}",
+    )
 
     if layout == LAYOUT_3D3D:
         if offs is not None:
@@ -166,9 +170,9 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
             raise ValueError(f"offs must be 1-D [G], got a {_describe(offs)}")
         _fail_unless(
             offs.shape[0] == G, ValueError,
-            f"offs must have G = {G} entries (one per group), got {offs.shape[0]}",
+            lambda: f"offs must have G = {G} entries (one per group), got {offs.shape[0]}",
         )
-    _fail_unless(G >= 1, ValueError, "the number of groups G must be at least 1")
+    _fail_unless(G >= 1, ValueError, lambda: "the number of groups G must be at least 1")
 
     if bias is not None:
         if layout not in (LAYOUT_2D3D, LAYOUT_3D3D):
@@ -177,7 +181,7 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
             raise TypeError(f"bias must have the inputs' dtype {dtype}, got {bias.dtype}")
         _fail_unless(
             bias.dim() == 2 and bias.shape[0] == G and bias.shape[1] == N, ValueError,
-            f"bias must be [G, N] = [{G}, {N}], got a {_describe(bias)}",
+            lambda: f"bias must be [G, N] = [{G}, {N}], got a {_describe(bias)}",
         )
 
     return Problem(layout, G, M, K, N, dtype, out_dtype, acc_dtype, tuple(out_shape), extent)
@@ -207,15 +211,17 @@ def sanitize_offs(offs: torch.Tensor, extent: int) -> torch.Tensor:
     return torch.cummax(offs.clamp(0, extent), dim=0).values
 
 
-def prepare_offs(offs, extent):
+def prepare_offs(offs, extent, kernel_clamps: bool = False):
     """The offs a kernel computes with: validated where reading values is free (CPU) or asked
-    for (checked mode), else sanitized on the device. None stays None."""
+    for (checked mode), else sanitized on the device, unless ``kernel_clamps`` says the kernel
+    applies ``sanitize_offs``'s clamp itself (then offs is handed over as it is). None stays
+    None."""
     if offs is None:
         return None
     if offs.device.type == "cpu" or checked_mode():
         check_offs_values(offs, extent)
         return offs
-    return sanitize_offs(offs, extent)
+    return offs if kernel_clamps else sanitize_offs(offs, extent)
 
 
 _checked = threading.local()

@@ -57,18 +57,19 @@ def note_kernel(name: str) -> None:
     _served.name = name
 
 
-def kernel_entry(name: str, impl: Callable) -> Callable:
+def kernel_entry(name: str, impl: Callable, clamps_offs: bool = False) -> Callable:
     """Wrap a device kernel with the contract: metadata checks, offs values, reference fallback.
 
     ``impl(problem, mat_a, mat_b, offs, bias)`` receives validated arguments; on CPU tensors (or
-    in checked mode) offs values were checked, otherwise offs was sanitized on the device. It
-    may raise NotImplementedError for a layout or dtype it does not serve: the reference then
-    computes the call and the reason is logged once.
+    in checked mode) offs values were checked, otherwise offs was sanitized on the device, or,
+    with ``clamps_offs``, handed over unsanitized for a kernel that applies
+    ``_contract.sanitize_offs``'s clamp itself. It may raise NotImplementedError for a layout or
+    dtype it does not serve: the reference then computes the call and the reason is logged once.
     """
 
     def kernel(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
-        offs = _contract.prepare_offs(offs, p.extent)
+        offs = _contract.prepare_offs(offs, p.extent, kernel_clamps=clamps_offs)
         _served.name = None
         try:
             out = impl(p, mat_a, mat_b, offs, bias)
@@ -78,6 +79,8 @@ def kernel_entry(name: str, impl: Callable) -> Callable:
                 _fallback_logged.add(key)
                 log.info("moe_ops: %s does not serve this call (%s); using the reference", name, e)
             _record("reference")
+            if clamps_offs and offs is not None:
+                offs = _contract.sanitize_offs(offs, p.extent)
             return reference.compute(p, mat_a, mat_b, offs, bias)
         _record(_served.name or name)
         return out
@@ -118,14 +121,16 @@ def _fake(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 _device_lib = torch.library.Library("moe", "IMPL")
 
 
-def register_device_kernel(device_type: str, name: str, impl: Callable) -> None:
+def register_device_kernel(device_type: str, name: str, impl: Callable, *, clamps_offs: bool = False) -> None:
     """Register ``impl`` (see ``kernel_entry``) as the kernel for one device type.
 
     device_type is a torch.library device name ("cpu", "cuda", "xla", "privateuseone");
-    name is what ``kernel_counts`` and ``python -m moe_ops`` call it.
+    name is what ``kernel_counts`` and ``python -m moe_ops`` call it; clamps_offs: see
+    ``kernel_entry``.
     """
     # The device-name -> dispatch-key mapping custom_op.register_kernel uses.
-    _device_lib.impl("grouped_mm", kernel_entry(name, impl), torch._C._dispatch_key_for_device(device_type))
+    _device_lib.impl("grouped_mm", kernel_entry(name, impl, clamps_offs),
+                     torch._C._dispatch_key_for_device(device_type))
 
 
 def _setup_context(ctx, inputs, output):

@@ -27,7 +27,8 @@ def run_backend(name, mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, che
     which). Arguments and result follow ``moe_ops.grouped_mm``.
 
     check_offs=True validates offs values as the op does on CPU; check_offs=False behaves as
-    on an accelerator: values are not checked but clamped to ``cummax(clamp(offs, 0, extent))``.
+    on an accelerator: values are not checked but clamped to ``cummax(clamp(offs, 0, extent))``
+    (by the kernel itself for a backend with ``CLAMPS_OFFS``).
 
     Raises:
         BackendUnavailable: the backend cannot run here (the message names what is missing).
@@ -38,16 +39,19 @@ def run_backend(name, mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, che
     for arg, t in (("mat_a", mat_a), ("mat_b", mat_b), ("offs", offs), ("bias", bias)):
         if t is not None and t.device.type != "cpu":
             raise ValueError(f"run_backend takes CPU tensors; {arg} is on {t.device}")
-    if offs is not None:
-        if check_offs:
-            _contract.check_offs_values(offs, p.extent)
-        else:
-            offs = _contract.sanitize_offs(offs, p.extent)
+    if offs is not None and check_offs:
+        _contract.check_offs_values(offs, p.extent)
     if name == "reference":
-        return reference.compute(p, mat_a, mat_b, offs, bias)
-    if name not in backends.BACKEND_MODULES:
+        module = None
+    elif name in backends.BACKEND_MODULES:
+        module = backends.module(name)
+    else:
         raise KeyError(f"unknown backend {name!r}; known: {backend_names()}")
-    return backends.module(name).run_here(p, mat_a, mat_b, offs, bias)
+    if offs is not None and not check_offs and not getattr(module, "CLAMPS_OFFS", False):
+        offs = _contract.sanitize_offs(offs, p.extent)
+    if module is None:
+        return reference.compute(p, mat_a, mat_b, offs, bias)
+    return module.run_here(p, mat_a, mat_b, offs, bias)
 
 
 def tolerance(ref64: torch.Tensor, ref_same: torch.Tensor, magnitude: torch.Tensor) -> float:

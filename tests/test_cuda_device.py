@@ -2,7 +2,8 @@
 
 Categories:
 * no host sync: the op, forward and backward, under torch.cuda.set_sync_debug_mode("error");
-* CUDA-graph capture: a captured call follows new offs values written into the same tensor;
+* CUDA-graph capture: a captured call follows new offs values written into the same tensor,
+  invalid ones included (clamped inside the kernel, one launch per call);
 * the kernel that served: "cuda:triton" on sm_80+ (kernel_counts);
 * autograd on the device against the CPU reference;
 * 64-bit indices for real: results of more than 2^31 elements (2Dx3D [M, N] and 2Dx2D [G, M, N]).
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import moe_ops
-from moe_ops import reference
+from moe_ops import _contract, reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -67,13 +68,32 @@ def test_cuda_graph_follows_offs_on_device():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe_ops.grouped_mm(a, b, offs, bias)
-    for new in ([10, 100, 100, 200, 300], [0, 0, 0, 0, 0], [300, 300, 300, 300, 300], [5, 6, 7, 8, 9]):
+    # The last two are not partitions: the kernel clamps them to cummax(clamp(offs, 0, 300)).
+    for new in ([10, 100, 100, 200, 300], [0, 0, 0, 0, 0], [300, 300, 300, 300, 300], [5, 6, 7, 8, 9],
+                [-4, 120, 60, 2**31 - 1, 7], [250, 20, -1, 290, 280]):
         offs.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
-        ref = reference.grouped_mm(a.cpu(), b.cpu(), offs.cpu(), bias.cpu())
+        valid = _contract.sanitize_offs(offs.cpu(), a.shape[0])
+        ref = reference.grouped_mm(a.cpu(), b.cpu(), valid, bias.cpu())
         _close(out, ref, 1e-2)
-        assert torch.count_nonzero(out[new[-1]:]) == 0
+        assert torch.count_nonzero(out[int(valid[-1]):]) == 0
+
+
+@pytest.mark.skipif(_older_than_sm80(), reason="the Triton kernels need sm_80 or newer")
+def test_one_kernel_launch_per_call():
+    # The Triton kernels clamp offs themselves (CLAMPS_OFFS): no clamp / cummax launches first.
+    a, b, bias, offs = (t.cuda() for t in _problem())
+    moe_ops.reset_kernel_counts()
+    moe_ops.grouped_mm(a, b, offs, bias)
+    torch.cuda.synchronize()
+    if moe_ops.kernel_counts() != {"cuda:triton": 1}:
+        pytest.skip(f"served by {moe_ops.kernel_counts()}, which gets offs sanitized first")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        moe_ops.grouped_mm(a, b, offs, bias)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
 
 
 @pytest.mark.skipif(_older_than_sm80(), reason="the Triton kernels need sm_80 or newer")

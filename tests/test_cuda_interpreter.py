@@ -107,6 +107,24 @@ def test_2d2d_ragged_k_empty_groups(out_dtype, config):
     assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[3]) == 0
 
 
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
+def test_unsanitized_offs_are_clamped_inside_the_kernels(layout):
+    # On a GPU the op hands the kernels offs as the caller passed it (CLAMPS_OFFS): negative,
+    # decreasing, past the extent and past 2^32 (an int64 that int32 arithmetic would wrap to 7).
+    # Every element must be the result for cummax(clamp(offs, 0, extent)), NaN-free.
+    garbage = torch.tensor([-5, 9, 4, (1 << 32) + 7, 3, 1 << 40], dtype=torch.int64)
+    dt = torch.float32
+    if layout == "2d3d":
+        a, b = _randn(40, 24, dtype=dt, seed=30), _randn(6, 24, 20, dtype=dt, seed=31)
+    elif layout == "2d2d":
+        a, b = _randn(40, 20, dtype=dt, seed=32).t(), _randn(40, 24, dtype=dt, seed=33)
+    else:
+        a, b = _randn(6, 20, 24, dtype=dt, seed=34), _randn(24, 40, dtype=dt, seed=35)
+    sanitized = _contract.sanitize_offs(garbage, 40)
+    assert sanitized.tolist() == [0, 9, 9, 40, 40, 40]
+    _check(_run(a, b, garbage), a, b, sanitized, what=f"{layout} with unsanitized offs")
+
+
 def test_3d3d_strided_operands_with_bias():
     a = _randn(3, 20, 64, dtype=torch.float32, seed=12)[:, :, ::2]  # [3, 20, 32], K stride 2
     b = _randn(3, 24, 32, dtype=torch.float32, seed=13).transpose(1, 2)  # [3, 32, 24]

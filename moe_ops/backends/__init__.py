@@ -10,6 +10,9 @@ A backend module ``moe_ops/backends/<name>.py`` provides:
 * ``run_here(problem, mat_a, mat_b, offs, bias)``: runs the backend's kernel on CPU tensors,
   natively or through the vendor interpreter / our emulator; raises ``BackendUnavailable`` when
   it cannot run here and NotImplementedError for a layout or dtype it does not serve.
+* optionally ``CLAMPS_OFFS = True``: its kernels apply ``_contract.sanitize_offs``'s clamp
+  themselves, so on the device they are handed offs unsanitized (see ``_op.kernel_entry``), and
+  ``moe_ops.testing.run_backend(check_offs=False)`` hands ``run_here`` invalid offs as they are.
 
 Two dispatch keys are shared by several device families: XLA (TPU through torch_xla, or AWS
 Neuron through torch-neuronx) and PrivateUse1 (TorchTPU renames it "tpu", TorchNeuron "neuron").

@@ -28,10 +28,15 @@ from typing import Optional
 
 import torch
 
-from ... import _op
+from ... import _contract, _op
 from .. import BackendUnavailable, Status
 
 NAME = "cuda"
+
+# The Triton kernels clamp offs into cummax(clamp(offs, 0, extent)) as they read it, which saves
+# the two launches (clamp, cummax) of sanitizing it first; the Blackwell kernel gets offs
+# sanitized (it reads int32, and casting unsanitized int64 values would wrap them).
+CLAMPS_OFFS = True
 
 log = logging.getLogger("moe_ops")
 
@@ -117,7 +122,8 @@ _declined: set = set()
 
 
 def _run(p, mat_a, mat_b, offs, bias) -> torch.Tensor:
-    """The registered CUDA kernel (behind ``kernel_entry``): select, then run."""
+    """The registered CUDA kernel (behind ``kernel_entry``): select, then run. offs: checked
+    values, or unsanitized ones on a GPU (see CLAMPS_OFFS)."""
     global _toolchains
     if _toolchains is None:
         _toolchains = toolchains()
@@ -128,7 +134,8 @@ def _run(p, mat_a, mat_b, offs, bias) -> torch.Tensor:
     if choice.kernel != "triton":
         try:
             _op.note_kernel(f"cuda:{choice.kernel}")
-            return importlib.import_module(f"{__name__}.{choice.kernel}").grouped_mm(p, mat_a, mat_b, offs, bias)
+            native_offs = None if offs is None else _contract.sanitize_offs(offs, p.extent)
+            return importlib.import_module(f"{__name__}.{choice.kernel}").grouped_mm(p, mat_a, mat_b, native_offs, bias)
         except NotImplementedError as e:  # e.g. strides its TMA loads cannot take: Triton serves it
             if (choice.kernel, str(e)) not in _declined:
                 _declined.add((choice.kernel, str(e)))
@@ -144,7 +151,7 @@ def _run(p, mat_a, mat_b, offs, bias) -> torch.Tensor:
 
 
 def register() -> None:
-    _op.register_device_kernel("cuda", "cuda", _run)
+    _op.register_device_kernel("cuda", "cuda", _run, clamps_offs=CLAMPS_OFFS)
 
 
 def _triton_version() -> Optional[str]:
