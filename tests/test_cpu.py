@@ -106,6 +106,52 @@ def test_every_instruction_set_matches_the_oracle(isa):
     run_case()
 
 
+def _bf16_rounding_cases(rows: int, seed: int) -> tuple:
+    """[rows] pairs (hi, lo) of normal bf16 values whose fp32 sum hi + lo is exact but not a
+    bf16: roundings up and down, ties to even, overflow to inf; rows 0 and 1 are zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    hi = (torch.randn(rows, generator=gen) * 2.0 ** torch.randint(-20, 20, (rows,), generator=gen)).bfloat16()
+    frac = torch.randint(-255, 256, (rows,), generator=gen).float() / 256  # multiples of 2^-8
+    lo = (hi.float() * 2.0 ** -8 * frac).bfloat16()  # within one bf16 unit of hi, ties included
+    top = 3.3895313892515355e38  # the largest bf16, odd: + half a unit rounds to inf
+    specials = torch.tensor([[0.0, 0.0], [0.0, 0.0], [top, top * 2.0 ** -8], [1.0, 2.0 ** -8],
+                             [1.0 + 2.0 ** -7, 2.0 ** -8], [-(1.0 + 2.0 ** -7), -(2.0 ** -8)]])
+    hi[: len(specials)] = specials[:, 0].bfloat16()
+    lo[: len(specials)] = specials[:, 1].bfloat16()
+    return hi, lo
+
+
+@pytest.mark.parametrize("isa", machine_levels())
+def test_bf16_results_are_rounded_once_to_nearest_even(isa):
+    # out[i, j] = hi_i + lo_i (+ bias_j): exact in the fp32 accumulator (b is all ones), then one
+    # rounding to bf16 that must equal torch's, bit for bit: round to nearest even, overflow to
+    # inf, and denormal results kept (rows 0-1 with denormal biases; the AVX512-BF16 conversion
+    # instructions alone would flush them to zero). 40 columns: a full and a partial 32-column
+    # block; both AMX schemes (row-major and k-contiguous weights) and the weight gradient.
+    hi, lo = _bf16_rounding_cases(300, seed=5)
+    exact = hi.float() + lo.float()
+    a = torch.stack([hi, lo], dim=1)  # [300, 2]
+    ones = torch.ones(2, 2, 40, dtype=torch.bfloat16)
+    offs = torch.tensor([120, 300], dtype=torch.int32)
+    bias = torch.zeros(2, 40)
+    bias[0, 3:9] = torch.tensor([2.0 ** -130, -(2.0 ** -133), 2.0 ** -127, 1.5 * 2.0 ** -128, 2.0 ** -126, 1.0])
+    bias = bias.bfloat16()
+    with_bias = (exact[:, None] + torch.where(torch.arange(300)[:, None] < 120, bias[0].float(), bias[1].float())).bfloat16()
+    assert with_bias[0, 3].item() == 2.0 ** -130  # a denormal result
+    results = {
+        "weights [G, K, N]": (run((a, ones, offs, bias, None), isa), with_bias),
+        "weights [G, N, K] transposed":
+            (run((a, ones.transpose(1, 2).contiguous().transpose(1, 2), offs, bias, None), isa), with_bias),
+        "weight gradient": (run((a.t().contiguous().t(), torch.ones(2, 40, dtype=torch.bfloat16), torch.tensor([2, 2]),
+                                 None, None), isa)[0], exact.bfloat16()[:, None].expand(300, 40)),
+    }
+    for what, (out, want) in results.items():
+        assert out.dtype == torch.bfloat16
+        bad = (out.view(torch.int16) != want.view(torch.int16)).nonzero()
+        assert bad.numel() == 0, (f"{isa} {what}: {len(bad)} roundings differ, first at {tuple(bad[0].tolist())}: "
+                                  f"{out[tuple(bad[0])].item()!r} vs {want[tuple(bad[0])].item()!r}")
+
+
 @pytest.mark.parametrize("isa", machine_levels())
 def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
     gen = torch.Generator().manual_seed(3)

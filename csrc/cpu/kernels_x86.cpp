@@ -26,7 +26,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
 // The intrinsics headers use _mm512_undefined_* on purpose; GCC 12 warns about them here.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
@@ -77,6 +77,22 @@ inline __m256i f32_to_bf16x16(__m512 f) {
   __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
   r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
+}
+
+// The same rounding with the AVX512-BF16 conversion instructions (every CPU with AMX-BF16 has
+// them; only the AMX paths call these): one instruction for 16 or 32 values instead of eight
+// for 16. Those instructions treat denormal inputs as zero, so a vector holding one takes the
+// exact path above. Measured here (2 threads, weight gradient G=64, M=2048, K=N=512, bf16, output
+// memory reused): 4.6-5.7 ms -> 2.5-3.1 ms per call; the conversion was most of the time.
+inline __m256i f32_to_bf16x16_amx(__m512 f) {
+  if (_mm512_fpclass_ps_mask(f, 0x20)) return f32_to_bf16x16(f);  // 0x20: denormal
+  return (__m256i)_mm512_cvtneps_pbh(f);
+}
+inline __m512i f32_to_bf16x32_amx(__m512 lo, __m512 hi) {
+  if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(f32_to_bf16x16(lo)), f32_to_bf16x16(hi), 1);
+  }
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
 // Element types by dtype: T is the storage type, Acc the accumulation type.
@@ -341,6 +357,16 @@ void store_block(const Task& t, int64_t row0, int64_t col0, const float* blk, in
                  int64_t cols, const float* bias) {
   using TO = typename Ty<O>::T;
   TO* c = (TO*)t.c;
+  if (O == Dt::bf16 && t.c_sn == 1 && cols <= 32) {  // the usual case: one 64-byte row piece
+    const __m512 b0 = _mm512_loadu_ps(bias), b1 = _mm512_loadu_ps(bias + 16);
+    const __mmask32 cm = mask32(cols);
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb), b0);
+      const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb + 16), b1);
+      _mm512_mask_storeu_epi16(c + (row0 + i) * t.c_sm + col0, cm, f32_to_bf16x32_amx(lo, hi));
+    }
+    return;
+  }
   for (int64_t i = 0; i < rows; ++i) {
     TO* crow = c + (row0 + i) * t.c_sm + col0 * t.c_sn;
     for (int64_t j = 0; j < cols; j += 16) {
@@ -372,7 +398,9 @@ void store_block_transposed(const Task& t, int64_t row0, int64_t col0, const flo
       for (int64_t j = 0; j < imin(16, rows - j0); ++j) {
         __m512 v = _mm512_add_ps(r[j], bv);
         TO* crow = c + (row0 + j0 + j) * t.c_sm + (col0 + i0) * t.c_sn;
-        if (t.c_sn == 1) {
+        if (O == Dt::bf16 && t.c_sn == 1) {
+          _mm256_mask_storeu_epi16(crow, cm, f32_to_bf16x16_amx(v));
+        } else if (t.c_sn == 1) {
           store16_f32<O>(crow, v, cm);
         } else {
           float tmp[16];
