@@ -82,6 +82,11 @@ def check_types(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> None:
         raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
 
 
+def layout_of(mat_a, mat_b) -> str:
+    """The layout named by the ranks of mat_a and mat_b (both 2-D or 3-D, as check_args checks)."""
+    return f"{mat_a.dim()}d{mat_b.dim()}d"
+
+
 def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
     """Validate one call's metadata (never its values) and describe the problem.
 
@@ -121,22 +126,19 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
         )
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
-    a3, b3 = mat_a.dim() == 3, mat_b.dim() == 3
-    if not a3 and b3:
-        layout = LAYOUT_2D3D
+    layout = layout_of(mat_a, mat_b)
+    if layout == LAYOUT_2D3D:
         M, K = mat_a.shape
         G, Kb, N = mat_b.shape
         out_shape, extent = (M, N), M
         a_dims, b_dims = "[M, K]", "[G, K, N]"
-    elif not a3 and not b3:
-        layout = LAYOUT_2D2D
+    elif layout == LAYOUT_2D2D:
         M, K = mat_a.shape
         Kb, N = mat_b.shape
         G = offs.shape[0] if offs is not None and offs.dim() == 1 else 1
         out_shape, extent = (G, M, N), K
         a_dims, b_dims = "[M, K]", "[K, N]"
-    elif a3 and b3:
-        layout = LAYOUT_3D3D
+    elif layout == LAYOUT_3D3D:
         G, M, K = mat_a.shape
         Gb, Kb, N = mat_b.shape
         _fail_unless(
@@ -146,8 +148,7 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
         )
         out_shape, extent = (G, M, N), None
         a_dims, b_dims = "[G, M, K]", "[G, K, N]"
-    else:
-        layout = LAYOUT_3D2D
+    else:  # LAYOUT_3D2D
         G, M, K = mat_a.shape
         Kb, N = mat_b.shape
         out_shape, extent = (M, N), N
