@@ -93,6 +93,8 @@ def test_one_kernel_launch_per_call():
         moe_ops.grouped_mm(a, b, offs, bias)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        pytest.skip("the profiler recorded no CUDA activity (CUPTI unavailable?)")
     assert len(kernels) == 1, kernels
 
 
