@@ -125,7 +125,7 @@ def _compile(name: str, arch: int, monkeypatch):
     if (name, arch) not in _compiled:
         src, cfg = _source(VARIANTS[name], arch, monkeypatch)
         _compiled[(name, arch)] = triton.compile(
-            src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            src, target=GPUTarget("cuda", arch, 32), options=tk.launch_options(cfg))
     return _compiled[(name, arch)]
 
 

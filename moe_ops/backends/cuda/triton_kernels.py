@@ -331,6 +331,14 @@ INTERPRETER_CONFIG = TileConfig(64, 64, 64, GROUP_M=4, num_warps=4, num_stages=1
 INTERPRETER_PROGRAMS = 2
 
 
+def launch_options(config: TileConfig) -> dict:
+    """Compile options of a launch with ``config`` (also what the ahead-of-time compile tests
+    use). enable_fp_fusion is pinned: Triton 3.9 defaults it to on and warns that 3.10 turns the
+    default off, which would change the generated code (mul + add instead of fma) of kernels
+    that were verified and measured with it on."""
+    return dict(num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True)
+
+
 def fp32_precision() -> str:
     """The tl.dot input precision for fp32 inputs: "ieee" (default, full fp32 accuracy), or the
     opt-in "tf32" / "tf32x3" from MOE_OPS_CUDA_FP32_PRECISION (read at every call)."""
@@ -446,7 +454,7 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
         DOT_UPCAST=interpret and p.dtype == torch.bfloat16, EPILOGUE_SPLIT=config.epilogue_split,
     )
 
-    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    launch = launch_options(config)
 
     def grid_size(tiles_bound):
         if programs is not None:
