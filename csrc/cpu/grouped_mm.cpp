@@ -126,9 +126,10 @@ Dt to_dt(at::ScalarType t) {
 // filling a [64, 512, 512] bf16 tensor took 14 ms against 2 ms for filling an existing one.
 // Asking for transparent huge pages before the first touch (when the system allows it, e.g.
 // THP "madvise" mode) cut that to ~4 ms; where it is refused nothing changes. Measured again
-// (2026-11-29, 24 fwd/wgrad cases, 3 alternating runs): without it every weight gradient with a
-// fresh output of 32 MB or more took 1.4-2.1x longer. The exception: the first 2-3 calls of a
-// process (Mixtral /4 fp32 wgrad, 117 MB: 170-290 ms with it, 55-113 ms without; 40-60 ms after).
+// (2026-11-29, 24 fwd/wgrad cases, 3 alternating runs): without it 9 of the 11 weight gradients
+// with a fresh output of 32 MB or more took 1.4-2.1x longer (the G=8 ones, mostly GEMM work,
+// within noise). The exception: the first 2-3 calls of a process (Mixtral /4 fp32 wgrad, 117 MB:
+// 170-290 ms with it, 55-113 ms without; 40-60 ms after).
 Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts) {
   Tensor out = at::empty(shape, opts);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
