@@ -129,7 +129,9 @@ Dt to_dt(at::ScalarType t) {
 // (2026-11-29, 24 fwd/wgrad cases, 3 alternating runs): without it 9 of the 11 weight gradients
 // with a fresh output of 32 MB or more took 1.4-2.1x longer (the G=8 ones, mostly GEMM work,
 // within noise). The exception: the first 2-3 calls of a process (Mixtral /4 fp32 wgrad, 117 MB:
-// 170-290 ms with it, 55-113 ms without; 40-60 ms after).
+// 170-290 ms with it, 55-113 ms without; 40-60 ms after), which a plain madvised allocation
+// shows too (117 MB filled: 165-194 ms in the first 2-3 of a process, then 11-23 ms; 27-36 ms
+// in small pages), likely this VM's host backing the guest's memory on first touch.
 Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts) {
   Tensor out = at::empty(shape, opts);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
