@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_overhead.py needs a CUDA GPU; none is visible to torch here", file=sys.stderr)
+        return 2
     import moe_ops
     from moe_ops import _contract
     from moe_ops.backends import cuda

@@ -92,6 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="qwen3-30b-a3b:16384,deepseek-v3:16384,mixtral-8x7b:16384,"
                                         "qwen3-30b-a3b:4096,deepseek-v3:65536")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_tile_sweep.py needs a CUDA GPU; none is visible to torch here", file=sys.stderr)
+        return 2
     from moe_ops.backends.cuda import triton_kernels as tk
 
     deadline = time.perf_counter() + args.budget_s

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py without a GPU: it imports, parses its arguments, builds its cases and
-group sizes, and refuses to report anything when there is no CUDA device.
+group sizes, and refuses to report anything when there is no CUDA device; gpu_overhead.py and
+gpu_tile_sweep.py refuse with a reason too.
 
 The GPU phases themselves (suite on the device, benchmarks) run only on a CUDA machine.
 """
@@ -106,3 +107,14 @@ def test_benchmark_code_path_runs_on_cpu_tensors(gpu_check):
     assert set(result["speedup_vs"]["loop_torch.mm"]) == {"forward", "backward"}
     assert result["group_sizes"]["min"] >= 0 and result["moe_ops_kernels"]
     json.dumps(result)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
+@pytest.mark.parametrize("script", ["gpu_overhead.py", "gpu_tile_sweep.py"])
+def test_the_other_gpu_scripts_refuse_without_a_gpu(script, tmp_path):
+    # They import moe_ops from the checkout, as on the lent machine, and exit 2 with a reason.
+    spec = importlib.util.spec_from_file_location(script[:-3], _PATH.parent / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())
