@@ -25,7 +25,7 @@ import torch
 from hypothesis import given, settings
 
 import moe_ops
-from moe_ops import backends
+from moe_ops import _contract, backends
 from moe_ops.testing import assert_close
 from oracle import magnitude, oracle
 from strategies import Case, build, cases
@@ -55,8 +55,7 @@ def served(dtype) -> str:
 
 def run(case_or_args, isa="amx"):
     a, b, offs, bias, out_dtype = case_or_args
-    layout = ("3d" if a.dim() == 3 else "2d") + ("3d" if b.dim() == 3 else "2d")
-    return torch.ops.moe_cpu.grouped_mm(layout, a, b, offs, bias, out_dtype or a.dtype, ISA[isa])
+    return torch.ops.moe_cpu.grouped_mm(_contract.layout_of(a, b), a, b, offs, bias, out_dtype or a.dtype, ISA[isa])
 
 
 def check(out, a, b, offs, bias, out_dtype, what=""):
