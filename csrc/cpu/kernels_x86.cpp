@@ -869,8 +869,8 @@ void fma_item(const Task& t, const Item& it, void* ws) {
       // The next 64 rows of B^T (columns col0 + 64 ...), past the item's end too.
       PrefetchBlock ahead(t.b, (col0 + NR) * t.b_sn * esz, NR, t.b_sn * esz, K * esz, calls);
       for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kKC) {  // K == 0: one pass, C = bias
+        const int64_t kc = imin(kKC, K - k0);
         for (int64_t mb = 0; mb < rows; mb += kMR) {
-          const int64_t kc = imin(kKC, K - k0);
           rows_block(mb, col0, nc, bp + k0 * NR, k0, kc, part + mb * NR, bias, ahead.take());
         }
       }
