@@ -201,8 +201,9 @@ def test_stale_nan_in_scratch_and_output_memory_never_leaks(isa):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d", "3d3d"])
 def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
-    """Groups of >= 2**28 multiply-adds take ATen's multi-threaded mm, the others the items; one
-    call mixes both (and a group with a bias or fp32 output never takes the mm path)."""
+    """Groups of >= 2**28 multiply-adds take ATen's multi-threaded mm (fp32; bf16 only on CPUs
+    without AMX), the others the items; one call mixes both (and a group with a bias or fp32
+    output never takes the mm path)."""
     gen = torch.Generator().manual_seed(1)
     big, K, N = 1040, 512, 520  # 1040 * 512 * 520 > 2**28
     shapes = {"2d3d": ((big + 70, K), (3, K, N)), "2d2d": ((N, big + 70), (big + 70, K)),
@@ -218,6 +219,50 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
         ref_same = moe_ops.reference.grouped_mm(a, b, o, out_dtype=out_dtype)
         mag = moe_ops.reference.grouped_mm(a.double().abs(), b.double().abs(), o)
         assert_close(out, ref64, ref_same, mag, what=f"{layout} {dtype} {out_dtype}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("layout", ["2d3d", "2d3d-kn", "2d2d", "3d2d", "3d3d"])
+def test_amx_groups_larger_than_l2_stream_rows_past_packed_column_slices(layout, bias, threads):
+    """AMX items with more rows than fit packed in L2 take amx_item_panels. At K = 8192 that is
+    past 32 rows, and a packed column slice holds 64 columns: the items here (67-100 rows, 96 or
+    fewer columns, as make_items cuts these shapes for 1 or 2 threads) run 2 slices of 64 + 32
+    columns and end in a block of 3-4 rows. The weight gradient's items have 300 rows (past 256
+    at k = 290-300)."""
+    if torch.ops.moe_cpu.machine() != "amx":
+        pytest.skip(f"this CPU has no AMX (best: {torch.ops.moe_cpu.machine()})")
+    if bias and layout not in ("2d3d", "2d3d-kn", "3d3d"):
+        pytest.skip("bias exists for the 2d3d and 3d3d layouts only")
+    gen = torch.Generator().manual_seed(2)
+    r = lambda *s: torch.randn(*s, generator=gen).bfloat16()  # noqa: E731
+    K, N = 8192, 200
+    rows = torch.tensor([200, 7, 150], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    if layout == "2d3d":  # mat_b the transposed view of [G, N, K] weights (the swapped scheme)
+        a, b, offs = r(357, K), r(3, N, K).transpose(1, 2), rows
+    elif layout == "2d3d-kn":  # mat_b stored [G, K, N]
+        a, b, offs = r(357, K), r(3, K, N), rows
+    elif layout == "2d2d":  # x.t() @ dy per group of rows: 300 output rows, k = the group's rows
+        a, b, offs = r(597, 300).t(), r(597, N), torch.tensor([300, 307, 597], dtype=torch.int32)
+    elif layout == "3d2d":
+        a, b, offs = r(3, 200, K), r(K, 3 * N), torch.tensor([N, N + 9, 3 * N - 5], dtype=torch.int32)
+    else:
+        a, b, offs = r(2, 200, K), r(2, K, N), None
+    G = b.shape[0] if b.dim() == 3 else offs.shape[0]
+    bias_t = r(G, N) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        outs = {out_dtype: run((a, b, offs, bias_t, out_dtype)) for out_dtype in (None, torch.float32)}
+    finally:
+        torch.set_num_threads(before)
+    # The float64 reference (the einsum oracle takes minutes at K = 8192).
+    b64 = None if bias_t is None else bias_t.double()
+    ref64 = moe_ops.reference.grouped_mm(a.double(), b.double(), offs, b64)
+    mag = moe_ops.reference.grouped_mm(a.double().abs(), b.double().abs(), offs, None if b64 is None else b64.abs())
+    for out_dtype, out in outs.items():
+        ref_same = moe_ops.reference.grouped_mm(a, b, offs, bias_t, out_dtype=out_dtype)
+        assert_close(out, ref64, ref_same, mag, what=f"{layout} {out_dtype}")
 
 
 def test_element_offsets_past_2_to_the_31(tmp_path):

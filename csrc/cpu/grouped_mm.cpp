@@ -5,9 +5,9 @@
 // TORCH_CHECKs here are not a second contract: they only guard memory safety (every pointer this
 // file forms stays inside its tensor whatever the caller passes).
 //
-// Every group is one Task (C = A @ B + bias on strided views). Groups with at least 2^28
-// multiply-adds in bf16, 2^26 in fp32 (and out_dtype == input dtype, no bias) go to ATen's mm
-// with all threads, one after the other (oneDNN / MKL are at their best there). The others are
+// Every group is one Task (C = A @ B + bias on strided views). Groups with at least 2^26
+// multiply-adds in fp32, or 2^28 in bf16 on CPUs without AMX (and out_dtype == input dtype, no
+// bias) go to ATen's mm with all threads, one after the other (see is_big). The others are
 // cut into Items of at most a few hundred rows and enough columns that every thread gets work,
 // and the threads of one at::parallel_for region take items from a shared counter until none
 // are left. So many small groups keep all cores busy with one trip through the thread pool per
@@ -274,7 +274,8 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
 // Cuts every task into items: row chunks of at most `max_rows(k)`, and column chunks (multiples
 // of `n_align`) small enough that the largest item is at most 1/8 of one thread's share. With
 // dynamic scheduling that bounds the idle tail to about an eighth of a share, and items stay big
-// enough (>= 64 columns) for the packed block of B to pay off.
+// enough (>= 64 columns) for the packed block of B to pay off. A task too narrow for that many
+// column chunks is cut into more (and equal) row chunks instead.
 template <typename MaxRows>
 std::vector<Item> make_items(const std::vector<Task>& tasks, int64_t threads, int64_t n_align, const MaxRows& max_rows) {
   double total = 0;
@@ -284,12 +285,17 @@ std::vector<Item> make_items(const std::vector<Task>& tasks, int64_t threads, in
   for (const auto i : c10::irange((int64_t)tasks.size())) {
     const Task& t = tasks[i];
     if (t.m == 0 || t.n == 0) continue;
-    const int64_t rows = max_rows(t.k);
+    const int64_t max_cols_pieces = std::max<int64_t>(1, t.n / std::max<int64_t>(64, n_align));
+    const double task_cost = (double)t.m * t.n * (double)std::max<int64_t>(t.k, 16);
+    const int64_t need = std::max<int64_t>(1, (int64_t)std::ceil(task_cost / cap));
+    const int64_t row_pieces = (need + max_cols_pieces - 1) / max_cols_pieces;
+    int64_t rows = max_rows(t.k);
+    if (row_pieces > (t.m + rows - 1) / rows) rows = (t.m + row_pieces - 1) / row_pieces;
     for (int64_t m0 = 0; m0 < t.m; m0 += rows) {
       const int64_t m1 = std::min(t.m, m0 + rows);
       const double cost = (double)(m1 - m0) * t.n * (double)std::max<int64_t>(t.k, 16);
       int64_t pieces = std::max<int64_t>(1, (int64_t)std::ceil(cost / cap));
-      pieces = std::min(pieces, std::max<int64_t>(1, t.n / std::max<int64_t>(64, n_align)));
+      pieces = std::min(pieces, max_cols_pieces);
       const int64_t width = (t.n + pieces - 1) / pieces;
       const int64_t step = (width + n_align - 1) / n_align * n_align;
       for (int64_t n0 = 0; n0 < t.n; n0 += step) items.push_back({i, m0, m1, n0, std::min(t.n, n0 + step)});
@@ -395,21 +401,23 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
       [](int) {});
 }
 
-// Groups with at least this many multiply-adds go to ATen's mm with all threads (oneDNN for bf16,
-// MKL for fp32), one after the other; the rest share one parallel region of items. Measured
-// here (1 thread, G=8, M=4096, K=1024, N=2048, bf16, Dirichlet groups of ~50..1500 rows): the
-// AMX items took 30-80 ms (their 2x2-tile blocking streams the weight tiles from L2 again for
-// every 32 rows), oneDNN on 256-row items 29-32 ms, one dense mm 21.6 ms. So large groups use
-// oneDNN/MKL whole, where one call has enough work for every thread; small groups are where
-// the items win (one trip through the thread pool instead of one per group). Only for
-// out_dtype == input dtype and no bias: ATen has no bf16 x bf16 -> fp32 mm, and the bias must
-// be added before the one rounding.
-// fp32 hands groups to MKL from 2^26 multiply-adds (m >= 64 rows at K = 1024, N = 1024): its
-// sgemm is faster per FLOP than our FMA kernel, so at K >= 1024 the items only win on small
-// groups. Measured here (2 threads, 15 interleaved rounds, medians, time / dense mm), 2^28 ->
-// 2^26: OLMoE /2 (G=64, M=4096, K=1024, N=512) fwd x2.24 -> x2.10 (torch._grouped_mm x2.15);
-// Mixtral /4 (G=8, M=1024, K=1024, N=3584) fwd x1.52 -> x1.46 (x1.55); G=64, M=2048, K=N=512
-// x2.39 -> x2.30 (x3.08). All groups through MKL: x2.03, x1.46, x3.11.
+// Groups with at least this many multiply-adds go to ATen's mm with all threads, one after the
+// other; the rest share one parallel region of items. Only for out_dtype == input dtype and no
+// bias (ATen has no bf16 x bf16 -> fp32 mm, and the bias must be added before the one rounding).
+// * fp32, from 2^26 multiply-adds (m >= 64 rows at K = 1024, N = 1024), to MKL: its sgemm is
+//   faster per FLOP than our FMA kernel, so at K >= 1024 the items only win on small groups.
+//   Measured here (2 threads, 15 interleaved rounds, medians, time / dense mm), 2^28 -> 2^26:
+//   OLMoE /2 (G=64, M=4096, K=1024, N=512) fwd x2.24 -> x2.10 (torch._grouped_mm x2.15);
+//   Mixtral /4 (G=8, M=1024, K=1024, N=3584) fwd x1.52 -> x1.46 (x1.55); G=64, M=2048,
+//   K=N=512 x2.39 -> x2.30 (x3.08). All groups through MKL: x2.03, x1.46, x3.11.
+// * bf16, from 2^28, to oneDNN, but only on CPUs without AMX. With AMX every group runs on our
+//   items (amx_item_panels for large ones): oneDNN generates code for every new group size (its
+//   primitive cache is keyed by the shape), and in a MoE layer the sizes change on every call.
+//   Measured here (2 threads, G=8, M=4096, K=1024, N=2048, Dirichlet group sizes drawn anew for
+//   every call, medians of 20-25): oneDNN forward 38.8 ms, input gradient 64.1 ms, weight
+//   gradient 53.6 ms; the AMX items 13.6-14.5 / 13.6-14.6 / 21.7 ms; dense mm 9-15 ms. With the
+//   same sizes on every call (oneDNN's cache hits) the two are within 10% on the forward and
+//   input gradient, and the items take 23 ms against 30 ms on the weight gradient.
 constexpr double kBigTaskMacs = double(1 << 28);
 constexpr double kBigTaskMacsF32 = double(1 << 26);
 
@@ -433,7 +441,8 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
   const auto dtype = mat_a.scalar_type();
   std::vector<Task> small;
-  const bool whole_groups_ok = out_dtype == dtype && (dtype == at::kFloat || dtype == at::kBFloat16);
+  const bool whole_groups_ok =
+      out_dtype == dtype && (dtype == at::kFloat || (dtype == at::kBFloat16 && isa != Isa::amx));
   for (const Task& t : p.tasks) {
     if (whole_groups_ok && t.bias == nullptr && is_big(t, dtype)) {
       run_big(dtype, t);
