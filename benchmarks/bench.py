@@ -11,6 +11,13 @@ median of its rounds; the ratio is that median over the dense roofline's median 
 with the same M, K, N). Every peer's result is checked once against the reference first. It
 prints a table, the issue's CPU targets, writes <device>.json / .md / .png into --out-dir.
 Timings are measurements of this machine at this moment: run on a quiet machine and repeat.
+
+Group sizes (--group-sizes): "fresh" (the default) gives every timed call of every peer its own
+Dirichlet(1) draw, as a MoE layer sees them (the router sends a different number of tokens to
+each expert on every call); "fixed" reuses the case's one draw. The difference matters on CPU:
+oneDNN (torch.mm in bf16, hence the loop of torch.mm and torch._grouped_mm) generates code for
+every new matrix shape and caches it, so repeated sizes hide that cost. The dense roofline
+keeps its one shape (a dense layer sees the same number of tokens every call).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import moe_ops  # noqa: E402
-from cases import ISSUE_SHAPES, MODES, QUICK_SHAPES, flops, make_tensors, model_shapes  # noqa: E402
+from cases import ISSUE_SHAPES, MODES, QUICK_SHAPES, dirichlet_offs, flops, make_tensors, model_shapes  # noqa: E402
 from devices import pick  # noqa: E402
 from peers import DENSE, GROUPED_MM, OP, REFERENCE, peers  # noqa: E402
 import report  # noqa: E402
@@ -62,12 +69,15 @@ def _check(out, ref, dtype) -> str:
     return "" if err <= tol else f"MISMATCH: max error {err:.2e} of the largest output"
 
 
-def run_case(fns: dict, sync, budget_s: float, min_reps: int, max_reps: int) -> dict:
+def run_case(fns: dict, sync, budget_s: float, min_reps: int, max_reps: int, before=None) -> dict:
     """{peer: [seconds per round]}, every round in a new seeded random order. Peers slower than 10x
     the dense roofline (and 50 ms) are timed in the first 3 rounds only: they are far from the
-    question asked, and at 0.1-2 s a call they would take most of the run."""
+    question asked, and at 0.1-2 s a call they would take most of the run. before(peer, call),
+    if given, runs untimed before each call (call 0 is the warm-up)."""
     warm = {}
     for name, f in fns.items():
+        if before:
+            before(name, 0)
         t0 = time.perf_counter()
         f()
         sync()
@@ -82,11 +92,22 @@ def run_case(fns: dict, sync, budget_s: float, min_reps: int, max_reps: int) -> 
         for n in order.sample(names, len(names)):
             if n in slow and r >= 3:
                 continue
+            if before:
+                before(n, r + 1)
             t0 = time.perf_counter()
             fns[n]()
             sync()
             times[n].append(time.perf_counter() - t0)
     return times
+
+
+def _fresh_offs(t, shape, names: list):
+    """before() for run_case: a new Dirichlet draw in t.offs (which every peer reads) before each
+    call, from a seed of its own per (peer, call), so no peer reuses another's sizes."""
+    def before(name: str, call: int):
+        seed = 1_000_003 * (1 + names.index(name)) + call
+        t.offs.copy_(dirichlet_offs(shape.G, shape.M, seed).to(t.offs.device))
+    return before
 
 
 def summarize(secs: list, fl: float) -> dict:
@@ -123,7 +144,8 @@ def bench_device(dev, shapes, modes, dtypes, args) -> list:
             if name == OP:
                 entry[name]["kernel"] = ",".join(sorted(moe_ops.kernel_counts()))
             fns[name] = fn
-        times = run_case(fns, dev.sync, args.budget, args.min_reps, args.max_reps)
+        times = run_case(fns, dev.sync, args.budget, args.min_reps, args.max_reps,
+                         _fresh_offs(t, shape, list(fns)) if args.group_sizes == "fresh" else None)
         fl = flops(shape)
         for name, secs in times.items():
             entry[name].update(summarize(secs, fl))
@@ -175,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None, help="seconds of timed rounds per case")
     ap.add_argument("--min-reps", type=int, default=None)
     ap.add_argument("--max-reps", type=int, default=None)
+    ap.add_argument("--group-sizes", choices=("fresh", "fixed"), default="fresh",
+                    help="a new Dirichlet draw of group sizes for every call (default), or the case's one draw")
     ap.add_argument("--out-dir", default="bench-out", help="where <device>.json/.md/.png go")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--with-jax", action="store_true",
@@ -220,8 +244,8 @@ def main(argv=None) -> int:
         base = os.path.join(args.out_dir, dev.name)
         report.write_json(base + ".json", meta, rows)
         with open(base + ".md", "w") as f:
-            f.write(f"{dev.describe()}; torch {torch.__version__}; {meta['date']}; load average "
-                    f"{meta['load_average']}\n\n{report.table(rows, markdown=True)}\n")
+            f.write(f"{dev.describe()}; torch {torch.__version__}; {meta['date']}; group sizes {args.group_sizes}; "
+                    f"load average {meta['load_average']}\n\n{report.table(rows, markdown=True)}\n")
         why_not = "" if args.no_plot else report.plot(base + ".png", rows, f"moe_ops grouped_mm / dense mm: {dev.describe()}")
         print(f"\nwrote {base}.json, {base}.md" + ("" if args.no_plot or why_not else f", {base}.png")
               + (f" (no plot: {why_not})" if why_not else ""))

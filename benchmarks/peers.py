@@ -103,7 +103,7 @@ def _jax(t, device):
         b = jnp.asarray(t.b.float().contiguous().numpy()).astype(dt)
         sizes = jnp.asarray(torch.diff(t.offs.to(torch.int64), prepend=t.offs.new_zeros(1).long()).numpy().astype("int32"))
         f = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
-        return (lambda: torch.from_numpy(jax.device_get(f(a, b, sizes)).astype("float32"))), "jax.lax.ragged_dot on XLA:CPU"
+        return (lambda: torch.from_numpy(jax.device_get(f(a, b, sizes)).astype("float32"))), "jax.lax.ragged_dot on XLA:CPU (always the case's one draw of group sizes)"
     if backend == "tpu":
         return None, "MegaBlox on TPU needs jax arrays on the TPU; run this benchmark's jax peer on a TPU host"
     return None, (f"jax backend {backend!r}: MegaBlox runs there only in Pallas interpret mode, "
