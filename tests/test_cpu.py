@@ -229,7 +229,7 @@ def test_amx_groups_larger_than_l2_stream_rows_past_packed_column_slices(layout,
     past 32 rows, and a packed column slice holds 64 columns: the items here (67-100 rows, 96 or
     fewer columns, as make_items cuts these shapes for 1 or 2 threads) run 2 slices of 64 + 32
     columns and end in a block of 3-4 rows. The weight gradient's items have 300 rows (past 256
-    at k = 290-300)."""
+    at k = 297-300), and its empty group (k = 0) writes zeros."""
     if torch.ops.moe_cpu.machine() != "amx":
         pytest.skip(f"this CPU has no AMX (best: {torch.ops.moe_cpu.machine()})")
     if bias and layout not in ("2d3d", "2d3d-kn", "3d3d"):
@@ -243,7 +243,7 @@ def test_amx_groups_larger_than_l2_stream_rows_past_packed_column_slices(layout,
     elif layout == "2d3d-kn":  # mat_b stored [G, K, N]
         a, b, offs = r(357, K), r(3, K, N), rows
     elif layout == "2d2d":  # x.t() @ dy per group of rows: 300 output rows, k = the group's rows
-        a, b, offs = r(597, 300).t(), r(597, N), torch.tensor([300, 307, 597], dtype=torch.int32)
+        a, b, offs = r(597, 300).t(), r(597, N), torch.tensor([300, 300, 597], dtype=torch.int32)
     elif layout == "3d2d":
         a, b, offs = r(3, 200, K), r(K, 3 * N), torch.tensor([N, N + 9, 3 * N - 5], dtype=torch.int32)
     else:
@@ -263,6 +263,40 @@ def test_amx_groups_larger_than_l2_stream_rows_past_packed_column_slices(layout,
     for out_dtype, out in outs.items():
         ref_same = moe_ops.reference.grouped_mm(a, b, offs, bias_t, out_dtype=out_dtype)
         assert_close(out, ref64, ref_same, mag, what=f"{layout} {out_dtype}")
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "2d3d-kn", "3d3d"])
+def test_amx_groups_larger_than_l2_with_k_zero_give_the_bias(layout):
+    """K = 0 through amx_item_panels (groups of 600 and 290 rows > 256, one thread, so make_items
+    cuts them by columns only): every output is the bias, rounded once."""
+    if torch.ops.moe_cpu.machine() != "amx":
+        pytest.skip(f"this CPU has no AMX (best: {torch.ops.moe_cpu.machine()})")
+    gen = torch.Generator().manual_seed(3)
+    N = 512
+    ends = torch.tensor([600, 890], dtype=torch.int32)
+    if layout == "2d3d":
+        a, b, offs = torch.empty(900, 0).bfloat16(), torch.empty(2, N, 0).bfloat16().transpose(1, 2), ends
+    elif layout == "2d3d-kn":
+        a, b, offs = torch.empty(900, 0).bfloat16(), torch.empty(2, 0, N).bfloat16(), ends
+    else:
+        a, b, offs = torch.empty(2, 600, 0).bfloat16(), torch.empty(2, 0, N).bfloat16(), None
+    bias = torch.randn(2, N, generator=gen).bfloat16()
+    busy = torch.randn(900, 64, generator=gen).bfloat16(), torch.randn(2, 64, N, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        outs = {}
+        for out_dtype in (None, torch.float32):
+            run((*busy, torch.tensor([600, 900], dtype=torch.int32), None, None))  # sums left in the scratch
+            outs[out_dtype] = run((a, b, offs, bias, out_dtype)).float()
+    finally:
+        torch.set_num_threads(before)
+    for out_dtype, out in outs.items():
+        for g, (s, e) in enumerate([(0, 600), (600, 890)] if a.dim() == 2 else [(0, 600), (0, 600)]):
+            got = out[s:e] if a.dim() == 2 else out[g]
+            assert torch.equal(got, bias[g].float().expand_as(got)), f"{layout} {out_dtype} group {g}"
+        if a.dim() == 2:
+            assert torch.equal(out[890:], torch.zeros_like(out[890:])), f"{layout} {out_dtype} trailing rows"
 
 
 def test_element_offsets_past_2_to_the_31(tmp_path):

@@ -475,7 +475,7 @@ void amx_item_panels(const Task& t, const Item& it, void* ws) {
       const int64_t kc = kAmxPanelK;
       for (int64_t nc0 = 0; nc0 < wc; nc0 += 256) {
         const int64_t nce = imin(wc, nc0 + 256);
-        for (int64_t s0 = 0; s0 < ks; s0 += kc) {
+        for (int64_t s0 = 0; s0 < imax(ks, 1); s0 += kc) {  // k == 0: one pass of zero steps
           const int64_t kn = imin(kc, ks - s0);
           const uint16_t* p0 = panel + s0 * kTileElems;
           const uint16_t* p1 = panel + (ks + s0) * kTileElems;
