@@ -8,9 +8,9 @@
 // Every group is one Task (C = A @ B + bias on strided views). Groups with at least 2^26
 // multiply-adds in fp32, or 2^28 in bf16 on CPUs without AMX (and out_dtype == input dtype, no
 // bias) go to ATen's mm with all threads, one after the other (see is_big). The others are
-// cut into Items of at most a few hundred rows and enough columns that every thread gets work,
-// and the threads of one at::parallel_for region take items from a shared counter until none
-// are left. So many small groups keep all cores busy with one trip through the thread pool per
+// cut into Items (row chunks of at most a few hundred rows for the FMA kernel, whole groups for
+// AMX) with enough column chunks that every thread gets work, and the threads of one
+// at::parallel_for region take items from a shared counter until none are left. So many small groups keep all cores busy with one trip through the thread pool per
 // call (a loop of torch.mm makes one per group, each split across the threads). Each item runs
 // an x86 kernel (AMX for bf16, AVX-512 FMA otherwise; kernels_x86.cpp) or, on other CPUs,
 // ATen's mm on the item's views, single-threaded inside the region.

@@ -38,8 +38,8 @@ struct Item {
 
 namespace x86 {
 
-// Largest number of rows of one Item for a problem with this k, so that the packed rows of A
-// stay in L2 (see kernels_x86.cpp).
+// Largest number of rows of one Item for a problem with this k: for the FMA kernel, so that the
+// packed rows of A stay in L2; AMX items take whole groups (see kernels_x86.cpp).
 int64_t max_item_rows(Isa isa, Dt in, int64_t k);
 // Bytes of scratch one thread needs for items of a problem with this k.
 int64_t workspace_bytes(Isa isa, Dt in, int64_t k);

@@ -509,7 +509,7 @@ void amx_item(const Task& t, const Item& it, void* ws) {
   }
   const int64_t ks = ceil_div(K, 32), kp = imax(ks * 32, 32), mts = ceil_div(rows, 16);
   uint16_t* big = (uint16_t*)ws;
-  uint16_t* blk = big + amx_item_rows(K) * kp;  // items never have more rows
+  uint16_t* blk = big + amx_item_rows(K) * kp;  // larger items took amx_item_panels
   float* cbuf = (float*)(blk + imax(kAmxWideBytes / 2, 32 * kp));
   alignas(64) float bias[32];
   const uint16_t* a = (const uint16_t*)t.a + it.m0 * t.a_sm;
