@@ -221,20 +221,22 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
         assert_close(out, ref64, ref_same, mag, what=f"{layout} {dtype} {out_dtype}")
 
 
+@pytest.mark.parametrize("K", [8192, 8200])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout,bias", [(layout, False) for layout in ("2d3d", "2d3d-kn", "2d2d", "3d2d", "3d3d")]
                          + [(layout, True) for layout in ("2d3d", "2d3d-kn", "3d3d")])
-def test_amx_groups_larger_than_l2_stream_rows_past_packed_column_slices(layout, bias, threads):
+def test_amx_groups_larger_than_l2_stream_rows_past_packed_column_slices(layout, bias, threads, K):
     """AMX items with more rows than fit packed in L2 take amx_item_panels. At K = 8192 that is
     past 32 rows, and a packed column slice holds 64 columns: the items here (67-100 rows, 96 or
     fewer columns, as make_items cuts these shapes for 1 or 2 threads) run 2 slices of 64 + 32
-    columns and end in a block of 3-4 rows. The weight gradient's items have 300 rows (past 256
-    at k = 297-300), and its empty group (k = 0) writes zeros."""
+    columns and end in a block of 3-4 rows. K = 8200 gives slices of 32 columns and a last k step
+    of one tile with 8 of its 32 k. The weight gradient's items have 300 rows (past 256 at k =
+    297-300), and its empty group (k = 0) writes zeros."""
     if torch.ops.moe_cpu.machine() != "amx":
         pytest.skip(f"this CPU has no AMX (best: {torch.ops.moe_cpu.machine()})")
     gen = torch.Generator().manual_seed(2)
     r = lambda *s: torch.randn(*s, generator=gen).bfloat16()  # noqa: E731
-    K, N = 8192, 200
+    N = 200
     rows = torch.tensor([200, 7, 150], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     if layout == "2d3d":  # mat_b the transposed view of [G, N, K] weights (the swapped scheme)
         a, b, offs = r(357, K), r(3, N, K).transpose(1, 2), rows
