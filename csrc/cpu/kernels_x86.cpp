@@ -421,8 +421,7 @@ void store_block_transposed(const Task& t, int64_t row0, int64_t col0, const flo
   }
 }
 
-// Workspace of an AMX item: packed rows or VNNI columns of A (amx_item_rows x Kp), packed columns
-// of B (kAmxWideBytes, at least 32 x Kp), and the fp32 block (32 x kAmxBufRows).
+// Bytes of B packed at a time (a column slice; see AmxScratch for the whole workspace).
 constexpr int64_t kAmxWideBytes = 1024 * 1024;
 // Prefetch distance of the swapped scheme, in 32-row blocks of W (1 and 2 measured alike here).
 constexpr int64_t kAmxPrefetchBlocks = 2;
@@ -439,6 +438,24 @@ int64_t amx_workspace(int64_t K) {
   return amx_item_rows(K) * kp * 2 + imax(kAmxWideBytes, 32 * kp * 2) + 32 * kAmxBufRows * 4 + 4 * 64;
 }
 
+// The three parts of an AMX item's workspace (amx_workspace bytes) for a problem with this K.
+struct AmxScratch {
+  uint16_t* rows;   // packed rows or VNNI columns of A: amx_item_rows(K) x Kp
+  uint16_t* slice;  // packed columns of B: kAmxWideBytes, at least 32 x Kp
+  float* sums;      // fp32 blocks: 32 x kAmxBufRows
+  AmxScratch(void* ws, int64_t K) {
+    const int64_t kp = round_up(imax(K, 1), 32);
+    rows = (uint16_t*)ws;
+    slice = rows + amx_item_rows(K) * kp;
+    sums = (float*)(slice + imax(kAmxWideBytes / 2, 32 * kp));
+  }
+};
+
+// Columns of B packed at a time (a multiple of 32, at most kAmxWideBytes of them, at least 32).
+int64_t amx_slice_cols(int64_t cols, int64_t kp) {
+  return imax(32, imin(round_up(cols, 32), (kAmxWideBytes / (2 * kp)) / 32 * 32));
+}
+
 // An item with more rows than fit packed in L2 (a large group): the right operand's columns are
 // packed once per slice of `wide` columns (1 MiB, L2), and the rows stream through 32 at a time
 // (packed into 2 tiles x K, 64 KiB at K = 1024), each against every column block of the slice.
@@ -449,14 +466,15 @@ template <Dt O>
 void amx_item_panels(const Task& t, const Item& it, void* ws) {
   const int64_t K = t.k, rows = it.m1 - it.m0, cols = it.n1 - it.n0;
   const int64_t ks = ceil_div(K, 32), kp = imax(ks * 32, 32);
-  uint16_t* panel = (uint16_t*)ws;  // 2 tiles x ks: the current 32 rows
-  uint16_t* blk = panel + amx_item_rows(K) * kp;
-  float* cbuf = (float*)(blk + imax(kAmxWideBytes / 2, 32 * kp));
+  const AmxScratch scratch(ws, K);
+  uint16_t* panel = scratch.rows;  // 2 tiles x ks: the current 32 rows
+  uint16_t* blk = scratch.slice;
+  float* cbuf = scratch.sums;
   alignas(64) float bias[32];
   const uint16_t* a = (const uint16_t*)t.a + it.m0 * t.a_sm;
   const uint16_t* b = (const uint16_t*)t.b;
   const bool swapped = t.b_sk == 1 && t.b_sn != 1;
-  const int64_t wide = imax(32, imin(round_up(cols, 32), (kAmxWideBytes / (2 * kp)) / 32 * 32));
+  const int64_t wide = amx_slice_cols(cols, kp);
   for (int64_t nw = 0; nw < cols; nw += wide) {
     const int64_t wc = imin(wide, cols - nw);
     if (swapped) pack_rows_tiles(b + (it.n0 + nw) * t.b_sn, t.b_sn, t.b_sk, wc, K, blk);
@@ -508,9 +526,10 @@ void amx_item(const Task& t, const Item& it, void* ws) {
     return;
   }
   const int64_t ks = ceil_div(K, 32), kp = imax(ks * 32, 32), mts = ceil_div(rows, 16);
-  uint16_t* big = (uint16_t*)ws;
-  uint16_t* blk = big + amx_item_rows(K) * kp;  // larger items took amx_item_panels
-  float* cbuf = (float*)(blk + imax(kAmxWideBytes / 2, 32 * kp));
+  const AmxScratch scratch(ws, K);
+  uint16_t* big = scratch.rows;  // fits: larger items took amx_item_panels
+  uint16_t* blk = scratch.slice;
+  float* cbuf = scratch.sums;
   alignas(64) float bias[32];
   const uint16_t* a = (const uint16_t*)t.a + it.m0 * t.a_sm;
   const uint16_t* b = (const uint16_t*)t.b;
@@ -519,7 +538,7 @@ void amx_item(const Task& t, const Item& it, void* ws) {
     // C[rows, cols] = A tiles @ VNNI(B). B is packed `wide` columns at a time (all of them for
     // K <= 512), reading its rows in memory order; then each 32-column block runs all rows.
     pack_rows_tiles(a, t.a_sm, t.a_sk, rows, K, big);
-    const int64_t wide = imax(32, imin(round_up(cols, 32), (kAmxWideBytes / (2 * kp)) / 32 * 32));
+    const int64_t wide = amx_slice_cols(cols, kp);
     for (int64_t nw = 0; nw < cols; nw += wide) {
       const int64_t wc = imin(wide, cols - nw);
       pack_vnni_tiles(b + (it.n0 + nw) * t.b_sn, t.b_sk, t.b_sn, K, wc, blk);
