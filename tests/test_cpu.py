@@ -15,6 +15,7 @@ Categories:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -61,6 +62,27 @@ def run(case_or_args, isa="amx"):
 def check(out, a, b, offs, bias, out_dtype, what=""):
     assert_close(out, oracle(a, b, offs, bias, out_dtype, exact=True), oracle(a, b, offs, bias, out_dtype, exact=False),
                  magnitude(a, b, offs, bias), what=what)
+
+
+def check_by_reference(out, a, b, offs, bias, out_dtype, what=""):
+    """check() with the reference in float64 instead of the einsum oracle, for problems too large
+    for the oracle (it takes minutes at K = 8192)."""
+    b64 = None if bias is None else bias.double()
+    ref64 = moe_ops.reference.grouped_mm(a.double(), b.double(), offs, b64)
+    ref_same = moe_ops.reference.grouped_mm(a, b, offs, bias, out_dtype=out_dtype)
+    mag = moe_ops.reference.grouped_mm(a.double().abs(), b.double().abs(), offs, None if b64 is None else b64.abs())
+    assert_close(out, ref64, ref_same, mag, what=what)
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    """torch's intra-op thread count set to n for the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_extension_serves_the_op_forward_and_backward():
@@ -159,14 +181,10 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
     offs = torch.cumsum(sizes, 0).clamp(max=M).to(torch.int32)
     a = torch.randn(M, K, generator=gen).bfloat16()
     b = torch.randn(G, N, K, generator=gen).bfloat16().transpose(1, 2)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    outs = []
+    for threads in (1, 2, 3):
+        with num_threads(threads):
             outs.append(run((a, b, offs, None, None), isa))
-    finally:
-        torch.set_num_threads(before)
     check(outs[0], a, b, offs, None, None, what=isa)
     for o in outs[1:]:
         assert torch.equal(o, outs[0])  # no split-K: each output element has one summation order
@@ -214,11 +232,8 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
     b = torch.randn(*sb, generator=gen).to(dtype)
     o = None if offs[layout] is None else torch.tensor(offs[layout], dtype=torch.int32)
     for out_dtype in ([None, torch.float32] if dtype == torch.bfloat16 else [None]):
-        out = run((a, b, o, None, out_dtype), "amx")
-        ref64 = moe_ops.reference.grouped_mm(a.double(), b.double(), o)
-        ref_same = moe_ops.reference.grouped_mm(a, b, o, out_dtype=out_dtype)
-        mag = moe_ops.reference.grouped_mm(a.double().abs(), b.double().abs(), o)
-        assert_close(out, ref64, ref_same, mag, what=f"{layout} {dtype} {out_dtype}")
+        check_by_reference(run((a, b, o, None, out_dtype), "amx"), a, b, o, None, out_dtype,
+                           what=f"{layout} {dtype} {out_dtype}")
 
 
 @pytest.mark.parametrize("K", [8192, 8200])
@@ -250,19 +265,10 @@ def test_amx_groups_larger_than_l2_stream_rows_past_packed_column_slices(layout,
         a, b, offs = r(2, 200, K), r(2, K, N), None
     G = b.shape[0] if b.dim() == 3 else offs.shape[0]
     bias_t = r(G, N) if bias else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         outs = {out_dtype: run((a, b, offs, bias_t, out_dtype)) for out_dtype in (None, torch.float32)}
-    finally:
-        torch.set_num_threads(before)
-    # The float64 reference (the einsum oracle takes minutes at K = 8192).
-    b64 = None if bias_t is None else bias_t.double()
-    ref64 = moe_ops.reference.grouped_mm(a.double(), b.double(), offs, b64)
-    mag = moe_ops.reference.grouped_mm(a.double().abs(), b.double().abs(), offs, None if b64 is None else b64.abs())
     for out_dtype, out in outs.items():
-        ref_same = moe_ops.reference.grouped_mm(a, b, offs, bias_t, out_dtype=out_dtype)
-        assert_close(out, ref64, ref_same, mag, what=f"{layout} {out_dtype}")
+        check_by_reference(out, a, b, offs, bias_t, out_dtype, what=f"{layout} {out_dtype}")
 
 
 @pytest.mark.parametrize("layout", ["2d3d", "2d3d-kn", "3d3d"])
@@ -282,15 +288,11 @@ def test_amx_groups_larger_than_l2_with_k_zero_give_the_bias(layout):
         a, b, offs = torch.empty(2, 600, 0).bfloat16(), torch.empty(2, 0, N).bfloat16(), None
     bias = torch.randn(2, N, generator=gen).bfloat16()
     busy = torch.randn(900, 64, generator=gen).bfloat16(), torch.randn(2, 64, N, generator=gen).bfloat16()
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        outs = {}
+    outs = {}
+    with num_threads(1):
         for out_dtype in (None, torch.float32):
             run((*busy, torch.tensor([600, 900], dtype=torch.int32), None, None))  # sums left in the scratch
             outs[out_dtype] = run((a, b, offs, bias, out_dtype)).float()
-    finally:
-        torch.set_num_threads(before)
     for out_dtype, out in outs.items():
         for g, (s, e) in enumerate([(0, 600), (600, 890)] if a.dim() == 2 else [(0, 600), (0, 600)]):
             got = out[s:e] if a.dim() == 2 else out[g]
