@@ -370,3 +370,19 @@ def test_benchmark_smoke(tmp_path):
         op = row["peers"]["moe_ops"]
         assert "median_ms" in op and op["kernel"].startswith("cpu:"), row
         assert "median_ms" in row["peers"]["dense torch.mm"]
+
+
+def test_benchmark_memory_floor():
+    """The floor is bytes of the G expert matrices / bandwidth, over the dense time, at least 1."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import bench
+    finally:
+        sys.path.pop(0)
+    bw = {"read_gbs": 4.194304, "write_gbs": 2.097152}  # 4 MiB take 1 ms to read, 2 ms to write
+    row = {"G": 2, "K": 1024, "N": 1024, "dtype": "bf16", "mode": "fwd",
+           "peers": {"dense torch.mm": {"median_ms": 0.25}}}
+    assert bench.floor_ratio(row, bw) == pytest.approx(4.0)
+    assert bench.floor_ratio({**row, "mode": "wgrad"}, bw) == pytest.approx(8.0)
+    assert bench.floor_ratio({**row, "dtype": "fp32"}, bw) == pytest.approx(8.0)
+    assert bench.floor_ratio({**row, "peers": {"dense torch.mm": {"median_ms": 5.0}}}, bw) == 1.0
