@@ -379,10 +379,12 @@ def test_benchmark_memory_floor():
         import bench
     finally:
         sys.path.pop(0)
-    bw = {"read_gbs": 4.194304, "write_gbs": 2.097152}  # 4 MiB take 1 ms to read, 2 ms to write
     row = {"G": 2, "K": 1024, "N": 1024, "dtype": "bf16", "mode": "fwd",
            "peers": {"dense torch.mm": {"median_ms": 0.25}}}
-    assert bench.floor_ratio(row, bw) == pytest.approx(4.0)
-    assert bench.floor_ratio({**row, "mode": "wgrad"}, bw) == pytest.approx(8.0)
-    assert bench.floor_ratio({**row, "dtype": "fp32"}, bw) == pytest.approx(8.0)
-    assert bench.floor_ratio({**row, "peers": {"dense torch.mm": {"median_ms": 5.0}}}, bw) == 1.0
+    assert bench.expert_bytes(row) == 4 << 20
+    assert bench.expert_bytes({**row, "dtype": "fp32"}) == 8 << 20
+    assert bench.floor_ratio(row, 4.194304) == pytest.approx(4.0)  # 4 MiB at 4.19 GB/s: 1 ms
+    assert bench.floor_ratio(row, 2.097152) == pytest.approx(8.0)
+    assert bench.floor_ratio({**row, "peers": {"dense torch.mm": {"median_ms": 5.0}}}, 4.194304) == 1.0
+    assert 0.1 < bench.memory_bandwidth(1 << 20, write=False) < 1e4
+    assert 0.1 < bench.memory_bandwidth(1 << 20, write=True) < 1e4
