@@ -174,7 +174,10 @@ def memory_bandwidth(nbytes: int, write: bool) -> float:
     best = float("inf")
     for _ in range(8):
         t0 = time.perf_counter()
-        buf.fill_(2.0) if write else buf.sum()
+        if write:
+            buf.fill_(2.0)
+        else:
+            buf.sum()
         best = min(best, time.perf_counter() - t0)
     return buf.numel() * 4 / best / 1e9
 
