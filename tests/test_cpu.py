@@ -301,6 +301,23 @@ def test_amx_groups_larger_than_l2_with_k_zero_give_the_bias(layout):
             assert torch.equal(out[890:], torch.zeros_like(out[890:])), f"{layout} {out_dtype} trailing rows"
 
 
+@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
+@pytest.mark.parametrize("isa", machine_levels())
+def test_offs_read_in_place_through_its_stride(isa, layout, offs_dtype):
+    """offs as a strided view (every other element of a larger tensor): the kernel reads int32 and
+    int64 values in place, so a wrong stride or element width would pick the wrong group ends."""
+    torch.manual_seed(3)
+    G, M, K, N = 5, 23, 19, 21
+    extent = {"2d3d": M, "2d2d": K, "3d2d": N}[layout]
+    ends = torch.tensor([3, 3, 11, 17, extent - 2])
+    offs = torch.stack([ends, ends * 0 + 999], 1).to(offs_dtype).reshape(-1)[::2]
+    assert offs.stride(0) == 2 and offs.tolist() == ends.tolist()
+    a = torch.randn(G, M, K) if layout == "3d2d" else torch.randn(M, K)
+    b = torch.randn(K, N) if layout in ("2d2d", "3d2d") else torch.randn(G, K, N)
+    check(run((a, b, offs, None, None), isa), a, b, offs, None, None, what=f"{layout} {offs_dtype}")
+
+
 def test_element_offsets_past_2_to_the_31(tmp_path):
     """mat_b's groups 2**31 + 17 elements apart (a sparse file mapped copy-on-write, so only the
     touched pages take memory): every offset is computed in 64 bits."""
