@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -29,12 +28,13 @@ LAYOUT_3D2D = "3d2d"  # mat_a [G, M, K], mat_b [K, N] columns grouped by offs ->
 LAYOUTS = (LAYOUT_2D3D, LAYOUT_2D2D, LAYOUT_3D3D, LAYOUT_3D2D)
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     """What ``check_args`` learned about one call.
 
     ``extent`` is the length of the dimension that ``offs`` partitions (M for 2d3d, K for 2d2d,
     N for 3d2d; None for 3d3d). Sizes may be SymInts when called from the fake kernel.
+    A NamedTuple rather than a frozen dataclass: built on every call, it costs 0.3 us instead
+    of 1.3 us (ten fields set through object.__setattr__).
     """
 
     layout: str
