@@ -179,14 +179,19 @@ def _backward(ctx, grad):
     return d_a, d_b, None, d_bias, None
 
 
+def _below_autograd(keyset, mat_a, mat_b, offs, bias, out_dtype):
+    """The op continued below Autograd: the kernel ``keyset`` reaches without the autograd keys."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return _OP.redispatch(keyset & _AFTER_AUTOGRAD, mat_a, mat_b, offs, bias, out_dtype)
+
+
 class _GroupedMM(torch.autograd.Function):
     """The op's autograd node. ``keyset`` (last, so needs_input_grad[i] is argument i) is the
     dispatch key set the Autograd kernel was called with; the forward continues below Autograd."""
 
     @staticmethod
     def forward(ctx, mat_a, mat_b, offs, bias, out_dtype, keyset):
-        with torch._C._AutoDispatchBelowAutograd():
-            out = _OP.redispatch(keyset & _AFTER_AUTOGRAD, mat_a, mat_b, offs, bias, out_dtype)
+        out = _below_autograd(keyset, mat_a, mat_b, offs, bias, out_dtype)
         ctx.layout = _contract.layout_of(mat_a, mat_b)  # the op has checked the arguments
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -206,8 +211,7 @@ def _autograd_kernel(keyset, mat_a, mat_b, offs=None, bias=None, out_dtype=None)
         mat_a.requires_grad or mat_b.requires_grad or (bias is not None and bias.requires_grad)
     ):
         return _GroupedMM.apply(mat_a, mat_b, offs, bias, out_dtype, keyset)
-    with torch._C._AutoDispatchBelowAutograd():
-        return _OP.redispatch(keyset & _AFTER_AUTOGRAD, mat_a, mat_b, offs, bias, out_dtype)
+    return _below_autograd(keyset, mat_a, mat_b, offs, bias, out_dtype)
 
 
 _lib.impl("grouped_mm", _autograd_kernel, "Autograd", with_keyset=True)
