@@ -157,14 +157,11 @@ std::vector<int64_t> read_offs(const Tensor& offs, int64_t G, int64_t extent) {
   // Read in place (any stride): converting int32 offs to int64 first cost ~2 us a call, a third
   // of a tiny call's time in this file.
   std::vector<int64_t> ends(G);
-  const int64_t st = offs.stride(0);
-  if (offs.scalar_type() == at::kInt) {
-    const int32_t* o = offs.data_ptr<int32_t>();
-    for (const auto g : c10::irange(G)) ends[g] = o[g * st];
-  } else {
-    const int64_t* o = offs.data_ptr<int64_t>();
-    for (const auto g : c10::irange(G)) ends[g] = o[g * st];
-  }
+  auto read = [&](const auto* o) {
+    for (const auto g : c10::irange(G)) ends[g] = o[g * offs.stride(0)];
+  };
+  if (offs.scalar_type() == at::kInt) read(offs.data_ptr<int32_t>());
+  else read(offs.data_ptr<int64_t>());
   int64_t prev = 0;
   for (int64_t e : ends) {
     TORCH_CHECK(prev <= e && e <= extent, "moe_cpu.grouped_mm: offs is not a partition of [0, ", extent, "]");
