@@ -47,6 +47,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, 
 # Issue #6: ratio of moe_ops to the dense roofline with 2 CPU threads (a benchmark, never a test).
 TARGETS = {8: 1.10, 64: 1.30, 256: 1.60}
 WGRAD_TARGET = 1.30
+FLOOR_NOTE = ("memory floor: the G expert matrices read (fwd, dgrad) or written (wgrad) once at the bandwidth "
+              "torch's sum() / fill_() reach on a buffer of their size here, or the dense time if longer")
 
 
 def _progress(items, desc):
@@ -276,18 +278,15 @@ def main(argv=None) -> int:
         if n:
             print("\nnot run:\n" + n)
         tg = targets(rows) if dev.name == "cpu" else ""
-        floors = ("memory floor: the G expert matrices read (fwd, dgrad) or written (wgrad) once at the bandwidth "
-                  "torch's sum() / fill_() reach on a buffer of their size here, or the dense time if longer")
         if tg:
-            print(f"\nissue #6 targets ({torch.get_num_threads()} threads):\n{tg}\n{floors}")
+            print(f"\nissue #6 targets ({torch.get_num_threads()} threads):\n{tg}\n{FLOOR_NOTE}")
         base = os.path.join(args.out_dir, dev.name)
         report.write_json(base + ".json", meta, rows)
         with open(base + ".md", "w") as f:
             f.write(f"{dev.describe()}; torch {torch.__version__}; {meta['date']}; group sizes {args.group_sizes}; "
                     f"load average {meta['load_average']}\n\n{report.table(rows, markdown=True)}\n")
             if tg:
-                f.write(f"\nIssue #6 targets ({torch.get_num_threads()} threads):\n\n```\n{tg}\n```\n"
-                        + f"\n{floors}.\n")
+                f.write(f"\nIssue #6 targets ({torch.get_num_threads()} threads):\n\n```\n{tg}\n```\n\n{FLOOR_NOTE}.\n")
         why_not = "" if args.no_plot else report.plot(base + ".png", rows, f"moe_ops grouped_mm / dense mm: {dev.describe()}")
         print(f"\nwrote {base}.json, {base}.md" + ("" if args.no_plot or why_not else f", {base}.png")
               + (f" (no plot: {why_not})" if why_not else ""))
