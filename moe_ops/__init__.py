@@ -15,7 +15,7 @@ from ._contract import checked
 from ._op import kernel_counts, reset_kernel_counts
 from .backends import load_all as _load_backends
 
-__all__ = ["grouped_mm", "reference", "checked", "kernel_counts", "reset_kernel_counts"]
+__all__ = ["grouped_mm", "reference", "checked", "kernel_counts", "reset_kernel_counts", "empty_cpu_cache"]
 __version__ = "0.1.0"
 
 
@@ -71,6 +71,14 @@ def grouped_mm(
     """
     _contract.check_types(mat_a, mat_b, offs, bias, out_dtype)
     return torch.ops.moe.grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+
+
+def empty_cpu_cache() -> int:
+    """Returns to the OS the memory the CPU kernel keeps for reuse by later outputs (outputs of
+    8 MiB and more; see moe_ops/backends/cpu.py and ``MOE_OPS_CPU_CACHE_MB``); the bytes released."""
+    from .backends import cpu
+
+    return cpu.empty_cache()
 
 
 _load_backends()

@@ -9,6 +9,7 @@ Categories:
 * the work split: many tiny and empty groups, results bitwise identical for any thread count;
 * memory: uninitialised outputs and reused scratch never leak into results (NaN poisoning),
   and element offsets past 2**31 are computed in 64 bits;
+* the output cache: freed large outputs' blocks are reused, bounded, released on request;
 * without the compiled module the package still works, says why, and uses the reference;
 * a smoke run of the benchmark script (no timing assertions).
 """
@@ -316,6 +317,45 @@ def test_offs_read_in_place_through_its_stride(isa, layout, offs_dtype):
     a = torch.randn(G, M, K) if layout == "3d2d" else torch.randn(M, K)
     b = torch.randn(K, N) if layout in ("2d2d", "3d2d") else torch.randn(G, K, N)
     check(run((a, b, offs, None, None), isa), a, b, offs, None, None, what=f"{layout} {offs_dtype}")
+
+
+def cache_limit() -> int:
+    return torch.ops.moe_cpu.cache_info()[1] if cpu_backend.status().mode is not None else 0
+
+
+def test_output_cache_keeps_freed_blocks_within_its_limit_and_empties():
+    """Blocks of freed large outputs are kept (up to the limit) and handed out again; smaller
+    outputs do not enter the cache; empty_cpu_cache() releases every free block; an output in a
+    cached block is an ordinary resizable tensor."""
+    moe_ops.empty_cpu_cache()
+    a, b = torch.randn(16, 64), torch.randn(16, 4104)  # out [8, 64, 4104] float32: 8 MiB + 16 KiB
+    offs = torch.arange(2, 17, 2)
+    out = moe_ops.grouped_mm(a.t(), b, offs)
+    block, ptr = (out.nbytes + (2 << 20) - 1) // (2 << 20) * (2 << 20), out.data_ptr()
+    del out
+    assert torch.ops.moe_cpu.cache_info()[0] == (block if block <= cache_limit() else 0)
+    small = moe_ops.grouped_mm(a.t(), b[:, :64], offs)  # 128 KiB: the CPU allocator's business
+    del small
+    assert torch.ops.moe_cpu.cache_info()[0] == (block if block <= cache_limit() else 0)
+    out = moe_ops.grouped_mm(a.t(), b, offs)
+    assert torch.ops.moe_cpu.cache_info()[0] == 0
+    assert out.data_ptr() == ptr or block > cache_limit()
+    out.resize_(out.numel() * 2)  # a new storage from the same allocator, the data copied
+    out[-1] = 1.0
+    del out
+    assert moe_ops.empty_cpu_cache() >= block
+    assert torch.ops.moe_cpu.cache_info()[0] == 0
+
+
+def test_output_cache_off_with_a_zero_limit():
+    code = ("import torch, moe_ops, moe_ops._cpu\n"
+            "out = moe_ops.grouped_mm(torch.randn(16, 64).t(), torch.randn(16, 8200), torch.arange(2, 17, 2))\n"
+            "del out\n"
+            "print(list(torch.ops.moe_cpu.cache_info()))")
+    env = dict(os.environ, MOE_OPS_CPU_CACHE_MB="0")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[-2] == "[0, 0]", res.stdout
 
 
 def test_element_offsets_past_2_to_the_31(tmp_path):

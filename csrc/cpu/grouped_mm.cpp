@@ -30,9 +30,6 @@
 #include <string>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -40,6 +37,7 @@
 #endif
 
 #include "kernels.h"
+#include "output_cache.h"
 
 namespace moe_cpu {
 namespace {
@@ -119,29 +117,6 @@ Dt to_dt(at::ScalarType t) {
 
 // ---------------------------------------------------------------------------------------------
 // Problem -> tasks
-
-// A new output tensor. Large ones are fresh pages from the OS on every call (glibc mmaps
-// allocations of 32 MiB and more), and faulting them in 4 KiB at a time dominated the 2D x 2D
-// (weight-gradient) layout, whose output is G times the dense one: measured here, allocating and
-// filling a [64, 512, 512] bf16 tensor took 14 ms against 2 ms for filling an existing one.
-// Asking for transparent huge pages before the first touch (when the system allows it, e.g.
-// THP "madvise" mode) cut that to ~4 ms; where it is refused nothing changes. Measured again
-// (2026-11-29, 24 fwd/wgrad cases, 3 alternating runs): without it 9 of the 11 weight gradients
-// with a fresh output of 32 MB or more took 1.4-2.1x longer (the G=8 ones, mostly GEMM work,
-// within noise). The exception: the first 2-3 calls of a process (Mixtral /4 fp32 wgrad, 117 MB:
-// 170-290 ms with it, 55-113 ms without; 40-60 ms after), which a plain madvised allocation
-// shows too (117 MB filled: 165-194 ms in the first 2-3 of a process, then 11-23 ms; 27-36 ms
-// in small pages), likely this VM's host backing the guest's memory on first touch.
-Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts) {
-  Tensor out = at::empty(shape, opts);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = 2u << 20;
-  const uintptr_t begin = (uintptr_t)out.data_ptr(), end = begin + out.nbytes();
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
-  if (out.nbytes() >= (8u << 20) && last > first) madvise((void*)first, last - first, MADV_HUGEPAGE);
-#endif
-  return out;
-}
 
 struct Problem {
   std::vector<Task> tasks;
@@ -477,6 +452,8 @@ std::string kernel_for(at::ScalarType dtype, int64_t isa_cap) {
 
 std::string machine() { return isa_name(machine_isa()); }
 
+std::vector<int64_t> cache_info() { return {cache_cached_bytes(), cache_limit_bytes()}; }
+
 }  // namespace
 }  // namespace moe_cpu
 
@@ -487,6 +464,10 @@ TORCH_LIBRARY(moe_cpu, m) {
         "int isa=-1) -> Tensor");
   m.def("kernel_for(ScalarType dtype, int isa=-1) -> str", &moe_cpu::kernel_for);
   m.def("machine() -> str", &moe_cpu::machine);
+  // The output cache (output_cache.cpp): [bytes of free blocks held, limit]; empty_cache unmaps
+  // the free blocks and returns how many bytes that released.
+  m.def("cache_info() -> int[]", &moe_cpu::cache_info);
+  m.def("empty_cache() -> int", &moe_cpu::cache_empty);
 }
 
 TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("grouped_mm", &moe_cpu::grouped_mm); }

@@ -12,6 +12,13 @@ at::parallel_for region share, and computes each item with:
 Groups of at least 2**28 multiply-adds in bf16, 2**26 in fp32 (no bias, output in the input
 dtype) are computed whole by ATen's mm with all threads (oneDNN/MKL), before the items.
 
+Outputs of 8 MiB and more come from a per-process cache of mapped memory (csrc/cpu/
+output_cache.cpp): a freed output's block is kept (marked MADV_FREE, so the OS may reclaim it
+under memory pressure) and handed to the next output of the same size, whose pages are then
+already mapped.
+``MOE_OPS_CPU_CACHE_MB`` bounds the free blocks kept (read once; default 1/16 of the memory, at
+most 1024; 0 turns the cache off); ``moe_ops.empty_cpu_cache()`` releases them.
+
 ``MOE_OPS_CPU_ISA=generic|avx512`` caps the instruction set (read once per process). The
 compiled module is optional: when it is missing (no compiler at install time, a build with
 MOE_OPS_NO_EXTENSION=1), ``status()`` says why and the op computes CPU calls with the
@@ -82,9 +89,18 @@ def run_here(p, mat_a, mat_b, offs, bias):
     return _run(p, mat_a, mat_b, offs, bias)
 
 
+def empty_cache() -> int:
+    """Returns the free blocks of the CPU output cache to the OS; the bytes released (0 without
+    the compiled module). Outputs still alive are not affected: their blocks come back to the
+    cache when they are freed."""
+    return int(torch.ops.moe_cpu.empty_cache()) if _load() else 0
+
+
 def status() -> Status:
     if not _load():
         return Status(NAME, ("CPU",), None, _why_not)
     kernels = ", ".join(f"{d}: {_kernel_name(getattr(torch, d))}" for d in ("bfloat16", "float32", "float16", "float64"))
+    cached, limit = torch.ops.moe_cpu.cache_info()
     return Status(NAME, ("CPU",), "native",
-                  f"C++ kernel, {torch.get_num_threads()} threads, {torch.ops.moe_cpu.machine()} CPU ({kernels})")
+                  f"C++ kernel, {torch.get_num_threads()} threads, {torch.ops.moe_cpu.machine()} CPU ({kernels}); "
+                  f"output cache {cached >> 20} of {limit >> 20} MiB")
