@@ -9,7 +9,8 @@ Categories:
 * the work split: many tiny and empty groups, results bitwise identical for any thread count;
 * memory: uninitialised outputs and reused scratch never leak into results (NaN poisoning),
   and element offsets past 2**31 are computed in 64 bits;
-* the output cache: freed large outputs' blocks are reused, bounded, released on request;
+* the output cache: freed large outputs' blocks are reused, bounded, released on request, and a
+  reused block (written with non-temporal stores) is overwritten completely;
 * without the compiled module the package still works, says why, and uses the reference;
 * a smoke run of the benchmark script (no timing assertions).
 """
@@ -321,6 +322,41 @@ def test_offs_read_in_place_through_its_stride(isa, layout, offs_dtype):
 
 def cache_limit() -> int:
     return torch.ops.moe_cpu.cache_info()[1] if cpu_backend.status().mode is not None else 0
+
+
+needs_cache = pytest.mark.skipif(cache_limit() < (64 << 20),
+                                 reason="the CPU output cache is off or under 64 MiB (MOE_OPS_CPU_CACHE_MB)")
+
+
+@needs_cache
+@pytest.mark.parametrize("N", [512, 520])
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.float32),
+                                             (torch.float32, None)])
+@pytest.mark.parametrize("layout", ["2d2d", "2d3d"])
+@pytest.mark.parametrize("isa", machine_levels())
+def test_large_output_in_a_reused_block_is_written_completely(isa, layout, dtype, out_dtype, N):
+    """An output of 32 MiB or more lands in the block the previous one left in the output cache
+    (pages mapped: written with non-temporal stores where rows are line-aligned, N=512); that
+    block was filled with NaN, and every element must be overwritten: partial row tiles (513
+    rows), partial lines (N=520), empty groups, and zeros past offs[-1]."""
+    if layout == "2d2d":  # the weight gradient: x^T (column-major) @ dy, [64, 513, N]
+        shape, offs = (64, 513, 200, N), tuple(sorted([0] * 6 + [3 * g for g in range(57)] + [190]))
+    else:  # the forward: [M, N] with M * N * 2 bytes >= 32 MiB
+        shape, offs = (8, 33000, 40, N), (4000, 4000, 9000, 20000, 20000, 21000, 32000, 32990)
+    stride_a = "transposed" if layout == "2d2d" else "contiguous"
+    G, M, K, _ = shape
+    first, second = (Case(layout, G, M, K, N, dtype, offs, torch.int64, stride_a, "contiguous", False, out_dtype, seed)
+                     for seed in (1, 2))
+    out = run(build(first), isa)
+    assert out.nbytes >= 32 << 20
+    block = out.data_ptr()
+    out.fill_(float("nan"))
+    del out
+    args = build(second)
+    out = run(args, isa)
+    assert out.data_ptr() == block, "the output did not reuse the freed block"
+    assert not out.isnan().any(), f"{isa} {second}: stale NaN in the output"
+    check_by_reference(out, *args, what=f"{isa} {second}")
 
 
 def test_output_cache_keeps_freed_blocks_within_its_limit_and_empties():

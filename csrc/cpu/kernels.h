@@ -28,6 +28,7 @@ struct Task {
   const void* bias;  // nullptr or [n] in the input dtype
   int64_t bias_sn;
   int64_t m, n, k;
+  bool stream;  // write C with non-temporal stores where whole aligned lines allow
 };
 
 // The rows [m0, m1) and columns [n0, n1) of one task's C: the unit of work a thread takes.

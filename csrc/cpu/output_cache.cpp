@@ -69,6 +69,7 @@ int64_t default_limit() {
 struct Block {
   void* p;
   size_t bytes;
+  bool reused;  // taken from the cache (pages mapped unless the OS took them back)
 };
 
 class OutputCache final : public c10::Allocator {
@@ -88,13 +89,18 @@ class OutputCache final : public c10::Allocator {
       TORCH_CHECK_WITH(OutOfMemoryError, posix_memalign(&p, kHuge, bytes) == 0,
                        "moe_cpu.grouped_mm: cannot allocate ", bytes, " bytes for the output");
       advise_huge(p, bytes);
-      b = new Block{p, bytes};
+      b = new Block{p, bytes, false};
     }
     return {b->p, b, &OutputCache::release, c10::Device(c10::DeviceType::CPU)};
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
+  }
+
+  // Whether d holds a block this cache handed out again.
+  static bool reused(const c10::DataPtr& d) {
+    return d.get_deleter() == &OutputCache::release && static_cast<const Block*>(d.get_context())->reused;
   }
 
   int64_t cached() {
@@ -124,6 +130,7 @@ class OutputCache final : public c10::Allocator {
         Block* b = *it;
         free_.erase(std::next(it).base());
         cached_ -= (int64_t)bytes;
+        b->reused = true;
         return b;
       }
     }
@@ -176,9 +183,11 @@ void OutputCache::release(void* ctx) { cache().put(static_cast<Block*>(ctx)); }
 
 }  // namespace
 
-at::Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts) {
-  return at::detail::empty_generic(shape, &cache(), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                   c10::typeMetaToScalarType(opts.dtype()), c10::nullopt);
+at::Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts, bool* mapped) {
+  at::Tensor out = at::detail::empty_generic(shape, &cache(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                             c10::typeMetaToScalarType(opts.dtype()), c10::nullopt);
+  *mapped = OutputCache::reused(out.storage().data_ptr());
+  return out;
 }
 
 int64_t cache_cached_bytes() { return cache().cached(); }
