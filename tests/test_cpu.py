@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -381,6 +382,38 @@ def test_output_cache_keeps_freed_blocks_within_its_limit_and_empties():
     del out
     assert moe_ops.empty_cpu_cache() >= block
     assert torch.ops.moe_cpu.cache_info()[0] == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_output_cache_in_a_forked_child():
+    """A child forked with a block in the cache (as a DataLoader worker is) takes it and returns
+    it: the cache's lock is held across fork() and released on both sides."""
+    a, b, offs = torch.randn(16, 64), torch.randn(16, 4104), torch.arange(2, 17, 2)
+    out = moe_ops.grouped_mm(a.t(), b, offs)
+    want = out.clone()
+    del out
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if every step works
+        ok = False
+        try:
+            torch.set_num_threads(1)
+            got = moe_ops.grouped_mm(a.t(), b, offs)
+            ok = torch.equal(got, want) and torch.ops.moe_cpu.cache_info()[0] == 0
+            del got
+            ok = ok and torch.ops.moe_cpu.cache_info()[0] > 0
+        finally:
+            os._exit(0 if ok else 1)
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert torch.equal(moe_ops.grouped_mm(a.t(), b, offs), want)
 
 
 def test_output_cache_off_with_a_zero_limit():

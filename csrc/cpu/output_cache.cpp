@@ -29,6 +29,7 @@
 #include <vector>
 
 #if defined(__linux__)
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #endif
@@ -108,6 +109,12 @@ class OutputCache final : public c10::Allocator {
     return cached_;
   }
 
+  // fork() from another thread while this one holds the lock would leave the child's copy
+  // locked for ever (a DataLoader worker freeing its first large output would hang): hold it
+  // across the fork, as glibc does for malloc, so both sides start with it free and consistent.
+  void lock() { mu_.lock(); }
+  void unlock() { mu_.unlock(); }
+
   int64_t empty() {
     std::vector<Block*> out;
     {
@@ -175,7 +182,13 @@ class OutputCache final : public c10::Allocator {
 
 // Never destroyed: outputs may be freed during interpreter shutdown, after static destructors.
 OutputCache& cache() {
-  static OutputCache* c = new OutputCache();
+  static OutputCache* c = [] {
+    auto* made = new OutputCache();
+#if defined(__linux__)
+    pthread_atfork([] { cache().lock(); }, [] { cache().unlock(); }, [] { cache().unlock(); });
+#endif
+    return made;
+  }();
   return *c;
 }
 
