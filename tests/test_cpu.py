@@ -9,8 +9,9 @@ Categories:
 * the work split: many tiny and empty groups, results bitwise identical for any thread count;
 * memory: uninitialised outputs and reused scratch never leak into results (NaN poisoning),
   and element offsets past 2**31 are computed in 64 bits;
-* the output cache: freed large outputs' blocks are reused, bounded, released on request, and a
-  reused block (written with non-temporal stores) is overwritten completely;
+* the output cache: freed large outputs' blocks are reused, bounded, released on request, seen
+  by the memory profiler, safe across fork(), and a reused block (written with non-temporal
+  stores) is overwritten completely;
 * without the compiled module the package still works, says why, and uses the reference;
 * a smoke run of the benchmark script (no timing assertions).
 """
@@ -382,6 +383,19 @@ def test_output_cache_keeps_freed_blocks_within_its_limit_and_empties():
     del out
     assert moe_ops.empty_cpu_cache() >= block
     assert torch.ops.moe_cpu.cache_info()[0] == 0
+
+
+def test_output_cache_reports_its_blocks_to_the_memory_profiler():
+    """torch.profiler(profile_memory=True) sees an output in a cache block, as it sees c10's CPU
+    allocations: the C++ kernel's row carries the block's bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b, offs = torch.randn(16, 64), torch.randn(16, 4104), torch.arange(2, 17, 2)
+    moe_ops.grouped_mm(a.t(), b, offs)  # a block in the cache: the profiled call reuses it
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = moe_ops.grouped_mm(a.t(), b, offs)
+    rows = {e.key: e for e in prof.key_averages()}
+    assert rows["moe_cpu::grouped_mm"].self_cpu_memory_usage >= out.nbytes
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

@@ -92,6 +92,7 @@ class OutputCache final : public c10::Allocator {
       advise_huge(p, bytes);
       b = new Block{p, bytes, false};
     }
+    report(b, true);
     return {b->p, b, &OutputCache::release, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -128,7 +129,8 @@ class OutputCache final : public c10::Allocator {
  private:
   std::mutex mu_;
   std::vector<Block*> free_;  // oldest first
-  int64_t cached_ = 0;
+  int64_t cached_ = 0;  // bytes of the free blocks
+  int64_t used_ = 0;    // bytes of the blocks handed out and not yet given back
 
   Block* take(size_t bytes) {
     std::lock_guard<std::mutex> g(mu_);
@@ -146,7 +148,25 @@ class OutputCache final : public c10::Allocator {
 
   static void release(void* ctx);
 
+  // Tells torch.profiler (profile_memory=True) about a block handed out or given back, as c10's
+  // CPU allocator does for its own allocations: "allocated" counts the blocks in use,
+  // "reserved" those and the free ones.
+  void report(const Block* b, bool out) {
+    int64_t used, reserved;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      used_ += out ? (int64_t)b->bytes : -(int64_t)b->bytes;
+      used = used_;
+      reserved = used_ + cached_;
+    }
+    if (c10::memoryProfilingEnabled()) {
+      c10::reportMemoryUsageToProfiler(b->p, out ? (int64_t)b->bytes : -(int64_t)b->bytes, (size_t)used,
+                                       (size_t)reserved, c10::Device(c10::DeviceType::CPU));
+    }
+  }
+
   void put(Block* b) {
+    report(b, false);
 #if defined(__linux__) && defined(MADV_FREE)
     // The kernel may take the pages back under memory pressure (a later write then faults in
     // zeroed pages, which is fine: an output is written completely). Until then they stay
