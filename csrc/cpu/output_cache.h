@@ -7,9 +7,9 @@
 
 namespace moe_cpu {
 
-// A new uninitialized tensor. One of at least kCachedMinBytes comes from the cache: a block a
-// freed output left behind, pages already mapped, when one of the same rounded size is there.
-// *mapped says whether its pages are (most likely) mapped already: a block from the cache.
+// A new uninitialized tensor. One of 8 MiB or more comes from the cache: a block a freed output
+// left behind, pages already mapped, when one of the same size (rounded up to 2 MiB) is there.
+// *mapped says whether it got such a block (pages mapped unless the OS reclaimed them).
 at::Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts, bool* mapped);
 
 // Bytes of free blocks the cache holds now, and its limit (MOE_OPS_CPU_CACHE_MB, read once).
