@@ -363,24 +363,29 @@ def test_large_output_in_a_reused_block_is_written_completely(isa, layout, strid
 
 
 def test_output_cache_keeps_freed_blocks_within_its_limit_and_empties():
-    """Blocks of freed large outputs are kept (up to the limit) and handed out again; smaller
-    outputs do not enter the cache; empty_cpu_cache() releases every free block; an output in a
-    cached block is an ordinary resizable tensor."""
+    """Blocks of freed large outputs are kept (up to the limit) and handed out again (a block
+    left full of NaN is overwritten completely, empty groups included); smaller outputs do not
+    enter the cache; empty_cpu_cache() releases every free block; an output in a cached block
+    is an ordinary resizable tensor."""
     moe_ops.empty_cpu_cache()
     a, b = torch.randn(16, 64), torch.randn(16, 4104)  # out [8, 64, 4104] float32: 8 MiB + 16 KiB
     offs = torch.arange(2, 17, 2)
     out = moe_ops.grouped_mm(a.t(), b, offs)
     block, ptr = (out.nbytes + (2 << 20) - 1) // (2 << 20) * (2 << 20), out.data_ptr()
+    out.fill_(float("nan"))
     del out
     assert torch.ops.moe_cpu.cache_info()[0] == (block if block <= cache_limit() else 0)
     small = moe_ops.grouped_mm(a.t(), b[:, :64], offs)  # 128 KiB: the CPU allocator's business
     del small
     assert torch.ops.moe_cpu.cache_info()[0] == (block if block <= cache_limit() else 0)
-    out = moe_ops.grouped_mm(a.t(), b, offs)
+    sparse = torch.tensor([0, 3, 3, 9, 9, 9, 12, 14])  # empty groups, the last two columns unused
+    out = moe_ops.grouped_mm(a.t(), b, sparse)
     assert torch.ops.moe_cpu.cache_info()[0] == 0
     assert out.data_ptr() == ptr or block > cache_limit()
+    check(out, a.t(), b, sparse, None, None)
+    want = out.clone()
     out.resize_(out.numel() * 2)  # a new storage from the same allocator, the data copied
-    out[-1] = 1.0
+    assert torch.equal(out[:want.numel()], want.flatten())
     del out
     assert moe_ops.empty_cpu_cache() >= block
     assert torch.ops.moe_cpu.cache_info()[0] == 0
