@@ -367,6 +367,15 @@ inline void amx_dispatch(int mt, int nt, const uint16_t* a0, const uint16_t* a1,
   else amx_block<1, 1>(a0, a1, a_stride, a_step, b0, b1, ks, c, ldc, pf, accumulate);
 }
 
+// Streaming (non-temporal) stores for a Task::stream output, where a store is a whole aligned
+// line: a 32-column bf16 row piece at (row0, col0) on every row, or 16 floats at p.
+inline bool stream_bf16_rows(const Task& t, const uint16_t* c, int64_t row0, int64_t col0, int64_t cols) {
+  return t.stream && cols == 32 && ((uintptr_t)(c + row0 * t.c_sm + col0) & 63) == 0 && (t.c_sm & 31) == 0;
+}
+inline bool stream_f32x16(const Task& t, const void* p, int64_t cols_left) {
+  return t.stream && cols_left >= 16 && t.c_sn == 1 && ((uintptr_t)p & 63) == 0;
+}
+
 // Writes rows [0, rows) x columns [0, cols) of an fp32 block (row stride ldb) plus bias to C at
 // (row0, col0), rounding once to O.
 template <Dt O>
@@ -377,7 +386,7 @@ void store_block(const Task& t, int64_t row0, int64_t col0, const float* blk, in
   if (O == Dt::bf16 && t.c_sn == 1 && cols <= 32) {  // the usual case: one 64-byte row piece
     const __m512 b0 = _mm512_loadu_ps(bias), b1 = _mm512_loadu_ps(bias + 16);
     const __mmask32 cm = mask32(cols);
-    const bool nt = t.stream && cols == 32 && ((uintptr_t)(c + row0 * t.c_sm + col0) & 63) == 0 && (t.c_sm & 31) == 0;
+    const bool nt = stream_bf16_rows(t, (const uint16_t*)c, row0, col0, cols);
     for (int64_t i = 0; i < rows; ++i) {
       const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb), b0);
       const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb + 16), b1);
@@ -390,7 +399,7 @@ void store_block(const Task& t, int64_t row0, int64_t col0, const float* blk, in
     TO* crow = c + (row0 + i) * t.c_sm + col0 * t.c_sn;
     for (int64_t j = 0; j < cols; j += 16) {
       __m512 v = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb + j), _mm512_loadu_ps(bias + j));
-      if (O == Dt::f32 && t.stream && cols - j >= 16 && t.c_sn == 1 && ((uintptr_t)(crow + j) & 63) == 0) {
+      if (O == Dt::f32 && stream_f32x16(t, crow + j, cols - j)) {
         _mm512_stream_ps((float*)(crow + j), v);
       } else if (t.c_sn == 1) {
         store16_f32<O>(crow + j, v, mask16(cols - j));
@@ -419,7 +428,7 @@ void store_block_transposed(const Task& t, int64_t row0, int64_t col0, const flo
   if (O == Dt::bf16 && t.c_sn == 1 && cols > 16 && cols <= 32) {
     const __m512 b0 = _mm512_loadu_ps(bias), b1 = _mm512_loadu_ps(bias + 16);
     const __mmask32 cm = mask32(cols);
-    const bool nt = t.stream && cols == 32 && ((uintptr_t)(c + row0 * t.c_sm + col0) & 63) == 0 && (t.c_sm & 31) == 0;
+    const bool nt = stream_bf16_rows(t, (const uint16_t*)c, row0, col0, cols);
     for (int64_t j0 = 0; j0 < rows; j0 += 16) {
       __m512 lo[16], hi[16];
       for (int64_t i = 0; i < 16; ++i) {
@@ -861,7 +870,7 @@ inline void fma_store(const Task& t, int64_t row0, int64_t col0, int64_t nc, __m
     for (int j = 0; j < 4; ++j) {
       if (j * 16 >= nc) break;
       const __m512 v = _mm512_add_ps(acc[i][j], _mm512_load_ps(bias + 16 * j));
-      if (O == Dt::f32 && t.stream && nc - 16 * j >= 16 && t.c_sn == 1 && ((uintptr_t)(crow + 16 * j) & 63) == 0) {
+      if (O == Dt::f32 && stream_f32x16(t, crow + 16 * j, nc - 16 * j)) {
         _mm512_stream_ps((float*)(crow + 16 * j), v);
       } else if (t.c_sn == 1) {
         store16_f32<O>(crow + 16 * j, v, mask16(nc - 16 * j));
