@@ -121,7 +121,6 @@ Dt to_dt(at::ScalarType t) {
 struct Problem {
   std::vector<Task> tasks;
   Tensor out;
-  bool out_mapped = false;  // out's pages are mapped already (a block from the output cache)
 };
 
 // Group ends; must be a partition of [0, extent] (kernel_entry checked it; re-checked here
@@ -190,7 +189,7 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
     N = b.size(2);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const auto ends = read_offs(*offs, G, M);
-    p.out = new_output({M, N}, opts, &p.out_mapped);
+    p.out = new_output({M, N}, opts);
     int64_t s = 0;
     for (const auto g : c10::irange(G)) {
       p.tasks.push_back(make_task(a, s * a.stride(0), a.stride(0), a.stride(1), b, g * b.stride(0), b.stride(1),
@@ -206,7 +205,7 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     G = offs->size(0);
     const auto ends = read_offs(*offs, G, K);
-    p.out = new_output({G, M, N}, opts, &p.out_mapped);
+    p.out = new_output({G, M, N}, opts);
     int64_t s = 0;
     for (const auto g : c10::irange(G)) {
       // An empty group is a task with k == 0: its slice is written with zeros.
@@ -220,7 +219,7 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
     G = a.size(0);
     const int64_t M = a.size(1), K = a.size(2);
     N = b.size(2);
-    p.out = new_output({G, M, N}, opts, &p.out_mapped);
+    p.out = new_output({G, M, N}, opts);
     for (const auto g : c10::irange(G)) {
       p.tasks.push_back(make_task(a, g * a.stride(0), a.stride(1), a.stride(2), b, g * b.stride(0), b.stride(1),
                                   b.stride(2), p.out, g * M * N, N, 1, bias, g, M, N, K));
@@ -233,7 +232,7 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
     N = b.size(1);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const auto ends = read_offs(*offs, G, N);
-    p.out = new_output({M, N}, opts, &p.out_mapped);
+    p.out = new_output({M, N}, opts);
     int64_t s = 0;
     for (const auto g : c10::irange(G)) {
       p.tasks.push_back(make_task(a, g * a.stride(0), a.stride(1), a.stride(2), b, s * b.stride(1), b.stride(0),
@@ -435,7 +434,7 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   Isa isa = machine_isa();
   if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
   const auto dtype = mat_a.scalar_type();
-  const bool stream = p.out_mapped && p.out.nbytes() >= kStreamBytes;
+  const bool stream = p.out.nbytes() >= kStreamBytes && in_reused_block(p.out);
   for (Task& t : p.tasks) t.stream = stream;
   std::vector<Task> small;
   const bool whole_groups_ok =

@@ -220,12 +220,12 @@ void OutputCache::release(void* ctx) { cache().put(static_cast<Block*>(ctx)); }
 
 }  // namespace
 
-at::Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts, bool* mapped) {
-  at::Tensor out = at::detail::empty_generic(shape, &cache(), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                             c10::typeMetaToScalarType(opts.dtype()), c10::nullopt);
-  *mapped = OutputCache::reused(out.storage().data_ptr());
-  return out;
+at::Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts) {
+  return at::detail::empty_generic(shape, &cache(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   c10::typeMetaToScalarType(opts.dtype()), c10::nullopt);
 }
+
+bool in_reused_block(const at::Tensor& t) { return OutputCache::reused(t.storage().data_ptr()); }
 
 int64_t cache_cached_bytes() { return cache().cached(); }
 int64_t cache_limit_bytes() { return cache().limit; }

@@ -9,8 +9,10 @@ namespace moe_cpu {
 
 // A new uninitialized tensor. One of 8 MiB or more comes from the cache: a block a freed output
 // left behind, pages already mapped, when one of the same size (rounded up to 2 MiB) is there.
-// *mapped says whether it got such a block (pages mapped unless the OS reclaimed them).
-at::Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts, bool* mapped);
+at::Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts);
+
+// Whether t's memory is such a block, handed out again (pages mapped unless the OS reclaimed them).
+bool in_reused_block(const at::Tensor& t);
 
 // Bytes of free blocks the cache holds now, and its limit (MOE_OPS_CPU_CACHE_MB, read once).
 int64_t cache_cached_bytes();
