@@ -375,6 +375,11 @@ inline bool stream_bf16_rows(const Task& t, const uint16_t* c, int64_t row0, int
 inline bool stream_f32x16(const Task& t, const void* p, int64_t cols_left) {
   return t.stream && cols_left >= 16 && t.c_sn == 1 && ((uintptr_t)p & 63) == 0;
 }
+// One row piece of up to 32 bf16 (the columns in cm) at p: streamed (nt: all 32, line-aligned).
+inline void put_bf16x32(uint16_t* p, __m512i v, __mmask32 cm, bool nt) {
+  if (nt) _mm512_stream_si512((__m512i*)p, v);
+  else _mm512_mask_storeu_epi16(p, cm, v);
+}
 
 // Writes rows [0, rows) x columns [0, cols) of an fp32 block (row stride ldb) plus bias to C at
 // (row0, col0), rounding once to O.
@@ -390,8 +395,7 @@ void store_block(const Task& t, int64_t row0, int64_t col0, const float* blk, in
     for (int64_t i = 0; i < rows; ++i) {
       const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb), b0);
       const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb + 16), b1);
-      if (nt) _mm512_stream_si512((__m512i*)(c + (row0 + i) * t.c_sm + col0), f32_to_bf16x32_amx(lo, hi));
-      else _mm512_mask_storeu_epi16(c + (row0 + i) * t.c_sm + col0, cm, f32_to_bf16x32_amx(lo, hi));
+      put_bf16x32((uint16_t*)c + (row0 + i) * t.c_sm + col0, f32_to_bf16x32_amx(lo, hi), cm, nt);
     }
     return;
   }
@@ -438,9 +442,8 @@ void store_block_transposed(const Task& t, int64_t row0, int64_t col0, const flo
       transpose16(lo);
       transpose16(hi);
       for (int64_t j = 0; j < imin(16, rows - j0); ++j) {
-        const __m512i v = f32_to_bf16x32_amx(_mm512_add_ps(lo[j], b0), _mm512_add_ps(hi[j], b1));
-        if (nt) _mm512_stream_si512((__m512i*)(c + (row0 + j0 + j) * t.c_sm + col0), v);
-        else _mm512_mask_storeu_epi16(c + (row0 + j0 + j) * t.c_sm + col0, cm, v);
+        put_bf16x32((uint16_t*)c + (row0 + j0 + j) * t.c_sm + col0,
+                    f32_to_bf16x32_amx(_mm512_add_ps(lo[j], b0), _mm512_add_ps(hi[j], b1)), cm, nt);
       }
     }
     return;
