@@ -3,9 +3,11 @@
 Install with ``pip install --no-build-isolation -e .`` so that native parts build against the
 torch already installed (build isolation would fetch another torch and break the ABI).
 
-The native CPU kernel (csrc/cpu, module ``moe_ops._cpu``) is optional: without torch at build
+The C++ parts are optional: the native CPU kernel (csrc/cpu, module ``moe_ops._cpu``) and the
+op's Autograd kernel in C++ (csrc/autograd, module ``moe_ops._autograd``). Without torch at build
 time, without a C++ compiler, or with MOE_OPS_NO_EXTENSION=1, the pure-Python package installs
-alone and the op uses the reference on CPU (``python -m moe_ops`` says why).
+alone: the op then uses the reference on CPU and its Python Autograd kernel (``python -m moe_ops``
+says why).
 """
 
 import os
@@ -14,27 +16,35 @@ import sys
 from setuptools import find_packages, setup
 
 
-def _cpu_extension():
-    """(ext_modules, cmdclass) for the CPU kernel, or empty ones when it cannot be built."""
+def _extensions():
+    """(ext_modules, cmdclass) for the C++ modules, or empty ones when they cannot be built."""
     if os.environ.get("MOE_OPS_NO_EXTENSION", "0") not in ("", "0"):
         return [], {}
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except Exception as e:  # torch missing at build time (e.g. build isolation)
-        print(f"moe_ops: not building the CPU kernel: cannot import torch.utils.cpp_extension ({e})", file=sys.stderr)
+        print(f"moe_ops: not building the C++ modules: cannot import torch.utils.cpp_extension ({e})", file=sys.stderr)
         return [], {}
 
+    import torch
+
     class OptionalBuildExtension(BuildExtension):
-        """Builds the kernel; a failure (no compiler, ...) is reported and the install goes on."""
+        """Builds each module; a failure (no compiler, ...) is reported and the install goes on."""
 
         def run(self):
             try:
                 super().run()
-            except Exception as e:  # compiler missing or unusable, compile error, ...
-                print(f"moe_ops: WARNING: the CPU kernel moe_ops._cpu was not built ({type(e).__name__}: {e}); "
-                      "the op will use the reference on CPU", file=sys.stderr)
+            except Exception as e:  # no usable compiler at all, ...
+                for ext in self.extensions:
+                    _not_built(ext, e)
 
-    ext = CppExtension(
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as e:  # a compile error, ...
+                _not_built(ext, e)
+
+    cpu = CppExtension(
         "moe_ops._cpu",
         ["csrc/cpu/grouped_mm.cpp", "csrc/cpu/kernels_x86.cpp", "csrc/cpu/output_cache.cpp"],
         # -fopenmp: at::parallel_for is OpenMP in torch's CPU wheels and is inlined here; the
@@ -43,10 +53,27 @@ def _cpu_extension():
         extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],
     )
-    return [ext], {"build_ext": OptionalBuildExtension}
+    autograd = CppExtension(
+        "moe_ops._autograd",
+        ["csrc/autograd/grouped_mm_autograd.cpp"],
+        # The module refuses to load under any other torch (see the file).
+        define_macros=[("MOE_OPS_TORCH_VERSION", torch.__version__)],
+        extra_compile_args=["-O2"],
+    )
+    return [cpu, autograd], {"build_ext": OptionalBuildExtension}
 
 
-ext_modules, cmdclass = _cpu_extension()
+FALLBACK = {
+    "moe_ops._cpu": "the op will use the reference on CPU",
+    "moe_ops._autograd": "the op will use its Python Autograd kernel",
+}
+
+
+def _not_built(ext, e: Exception) -> None:
+    print(f"moe_ops: WARNING: {ext.name} was not built ({type(e).__name__}: {e}); {FALLBACK[ext.name]}",
+          file=sys.stderr)
+
+ext_modules, cmdclass = _extensions()
 
 setup(
     name="moe_ops",

@@ -7,7 +7,7 @@ import platform
 import torch
 
 import moe_ops
-from moe_ops import backends
+from moe_ops import _op, backends
 
 
 def _devices() -> list:
@@ -31,6 +31,7 @@ def main() -> None:
           f"{platform.machine()}")
     print(f"devices: {', '.join(_devices())}")
     print(f"moe::grouped_mm kernels for dispatch keys: {', '.join(_keys_with_kernels())}")
+    print(f"Autograd kernel: {_op.autograd_status()}")
     print()
     rows = [("reference", "default (all devices)", "native", "ATen ops; loop on CPU, sync-free blocks elsewhere")]
     for s in backends.statuses():

@@ -5,8 +5,10 @@ Registration (measured on torch 2.13, see README "Design"), all through one
 * the reference is the CompositeExplicitAutograd kernel, so every device without a native
   kernel gets a correct, sync-free result;
 * ``register_fake`` derives shapes and dtypes from metadata only;
-* the Autograd kernel (``_autograd_kernel``, an ``autograd.Function``) writes both gradients as
-  calls of the op itself, so the backward runs on the same native kernels as the forward;
+* the Autograd kernel writes both gradients as calls of the op itself, so the backward runs on
+  the same native kernels as the forward. It is the C++ one of ``moe_ops._autograd``
+  (csrc/autograd) when that module loads, else ``_autograd_kernel`` below (an
+  ``autograd.Function``) with the same formulas; ``use_autograd`` switches, the tests run both;
 * device kernels are added per dispatch key through ``register_device_kernel`` (one file per
   backend under ``moe_ops/backends``), wrapped by ``kernel_entry`` which does the contract checks.
 """
@@ -14,6 +16,7 @@ Registration (measured on torch 2.13, see README "Design"), all through one
 from __future__ import annotations
 
 import collections
+import importlib
 import logging
 import threading
 from typing import Callable
@@ -214,4 +217,50 @@ def _autograd_kernel(keyset, mat_a, mat_b, offs=None, bias=None, out_dtype=None)
     return _below_autograd(keyset, mat_a, mat_b, offs, bias, out_dtype)
 
 
-_lib.impl("grouped_mm", _autograd_kernel, "Autograd", with_keyset=True)
+class _Autograd:
+    """Which Autograd kernel is registered: "cpp" or "python"."""
+
+    active: str | None = None
+    lib: torch.library.Library | None = None  # holds the Python kernel's registration
+    cpp = None  # the moe_ops._autograd module once loaded
+    why_not_cpp = ""
+
+
+def use_autograd(kind: str) -> None:
+    """Registers the op's Autograd kernel: "cpp" (moe_ops._autograd; RuntimeError saying why if
+    it cannot load) or "python" (``_autograd_kernel``), removing the other one."""
+    if kind not in ("cpp", "python"):
+        raise ValueError(f"kind must be 'cpp' or 'python', got {kind!r}")
+    if kind == _Autograd.active:
+        return
+    if kind == "cpp":
+        try:
+            module = _Autograd.cpp or importlib.import_module("moe_ops._autograd")
+        except (ImportError, OSError) as e:
+            _Autograd.why_not_cpp = f"moe_ops._autograd cannot be loaded ({type(e).__name__}: {e})"
+            raise RuntimeError(_Autograd.why_not_cpp) from e
+        _Autograd.cpp = module
+        if _Autograd.lib is not None:
+            _Autograd.lib._destroy()
+            _Autograd.lib = None
+        module.register_kernel()
+    else:
+        if _Autograd.cpp is not None:
+            _Autograd.cpp.deregister_kernel()
+        _Autograd.lib = torch.library.Library("moe", "IMPL")
+        _Autograd.lib.impl("grouped_mm", _autograd_kernel, "Autograd", with_keyset=True)
+    _Autograd.active = kind
+
+
+def autograd_status() -> str:
+    """Which Autograd kernel the op has, and why not the C++ one when it has the Python one."""
+    if _Autograd.active == "cpp":
+        return "C++ (moe_ops._autograd)"
+    return f"Python ({_Autograd.why_not_cpp or 'selected with use_autograd'})"
+
+
+try:
+    use_autograd("cpp")
+except RuntimeError:
+    log.info("moe_ops: %s; the op uses its Python Autograd kernel", _Autograd.why_not_cpp)
+    use_autograd("python")

@@ -8,6 +8,11 @@ through ``run_backend`` (natively, in its vendor's interpreter, or on our emulat
 reference's sync-free formulation, plus the op itself on each accelerator present. A backend
 that cannot run here is skipped with a reason that names what is missing; set
 MOE_OPS_REQUIRE_BACKENDS=cpu,cuda,... (as CI does) to turn such a skip into a failure.
+
+Autograd: tests that take the ``autograd_kernel`` fixture run against both Autograd kernels of
+the op, the C++ one (moe_ops._autograd, the default when it loads) and the Python one. The C++
+one is skipped when it cannot load; where MOE_OPS_REQUIRE_BACKENDS names cpu that skip is a
+failure (the build that makes the CPU kernel makes both C++ modules).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import moe_ops
-from moe_ops import _contract, backends, reference
+from moe_ops import _contract, _op, backends, reference
 from moe_ops.testing import run_backend
 from strategies import DTYPES, LAYOUTS
 
@@ -74,6 +79,31 @@ def _on_device(device):
 
 def _required() -> set:
     return {n for n in os.environ.get("MOE_OPS_REQUIRE_BACKENDS", "").split(",") if n}
+
+
+def _autograd_for_test(kind):
+    """Registers the op's Autograd kernel `kind` for a test, and the one before it afterwards."""
+    before = _op._Autograd.active
+    try:
+        _op.use_autograd(kind)
+    except RuntimeError as e:
+        if "cpu" in _required():
+            pytest.fail(f"{e}; MOE_OPS_REQUIRE_BACKENDS=cpu requires the C++ modules")
+        pytest.skip(f"the C++ Autograd kernel cannot run here: {e}")
+    yield kind
+    _op.use_autograd(before)
+
+
+@pytest.fixture(params=["cpp", "python"])
+def autograd_kernel(request):
+    """Each Autograd kernel of the op in turn, "cpp" and "python"."""
+    yield from _autograd_for_test(request.param)
+
+
+@pytest.fixture
+def cpp_autograd():
+    """The C++ Autograd kernel (a test about it)."""
+    yield from _autograd_for_test("cpp")
 
 
 def implementations():

@@ -7,6 +7,9 @@ Categories:
 * dtypes: bf16 inputs with out_dtype=float32 give bf16 gradients; a stride-0 incoming
   gradient (``y.sum().backward()``, which torch._grouped_mm rejects) works;
 * the backward runs the op itself (its kernel calls are counted).
+
+Every test runs against both Autograd kernels of the op, the C++ one and the Python one (the
+``autograd_kernel`` fixture of conftest.py).
 """
 
 from __future__ import annotations
@@ -15,8 +18,12 @@ import pytest
 import torch
 
 import moe_ops
+from moe_ops import _op
 from oracle import oracle
 from moe_ops.testing import assert_close
+
+
+pytestmark = pytest.mark.usefixtures("autograd_kernel")
 
 f64 = torch.float64
 
@@ -120,3 +127,13 @@ def test_only_requested_gradients_are_computed():
     moe_ops.reset_kernel_counts()
     out.sum().backward()
     assert sum(moe_ops.kernel_counts().values()) == 1 and b.grad is None
+
+
+def test_the_selected_kernel_is_the_registered_one(autograd_kernel):
+    (a, b), offs = _problem("2d3d")
+    out = moe_ops.grouped_mm(a, b, offs)
+    # The C++ Function's node is a CppFunction; the Python one's is named after _GroupedMM.
+    want = "CppFunction" if autograd_kernel == "cpp" else "_GroupedMMBackward"
+    assert type(out.grad_fn).__name__ == want
+    assert _op.autograd_status().startswith("C++" if autograd_kernel == "cpp" else "Python")
+

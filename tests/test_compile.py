@@ -6,10 +6,16 @@ Categories:
 * torch.compile(fullgraph=True), static and dynamic: no graph break, correct forward and
   backward, the AOT forward and backward graphs call moe.grouped_mm (no decomposition), and
   the device kernel registered for CPU is the one that runs;
-* which dispatch keys have kernels.
+* which dispatch keys have kernels; the C++ Autograd kernel's module loads only under the torch
+  it was built against.
+
+With grad, opcheck and the compile test run against both Autograd kernels of the op.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,14 +41,23 @@ def _sample(layout, dtype, requires_grad, bias=False):
     return r(G, M, K), r(K, N), torch.tensor([1, 4, 4], dtype=torch.int32), None
 
 
-@pytest.mark.parametrize("requires_grad", [False, True], ids=["nograd", "grad"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d3d", "3d2d"])
-def test_opcheck(layout, dtype, requires_grad):
+def _opcheck(layout, dtype, requires_grad):
     a, b, offs, bias = _sample(layout, dtype, requires_grad, bias=layout in ("2d3d", "3d3d"))
     torch.library.opcheck(torch.ops.moe.grouped_mm.default, (a, b, offs, bias, None))
     if dtype in (torch.bfloat16, torch.float16):
         torch.library.opcheck(torch.ops.moe.grouped_mm.default, (a, b, offs, bias, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d3d", "3d2d"])
+def test_opcheck(layout, dtype):
+    _opcheck(layout, dtype, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d3d", "3d2d"])
+def test_opcheck_with_grad(layout, dtype, autograd_kernel):
+    _opcheck(layout, dtype, True)
 
 
 def _moe_like(x, w, offs, bias):
@@ -82,7 +97,7 @@ def cpu_kernel():
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_compile_fullgraph_calls_the_op_and_the_device_kernel(dynamic, cpu_kernel):
+def test_compile_fullgraph_calls_the_op_and_the_device_kernel(dynamic, cpu_kernel, autograd_kernel):
     torch._dynamo.reset()
     x = torch.randn(12, 8, requires_grad=True)
     w = torch.randn(3, 8, 8, requires_grad=True)
@@ -133,3 +148,14 @@ def test_dispatch_table():
     registered = {key for s in backends.statuses() for key in s.keys}
     for key in ("CUDA", "XLA", "PrivateUse1"):
         assert has(key) == (key in registered), key
+
+
+def test_the_cpp_autograd_module_refuses_another_torch(cpp_autograd):
+    # A module built against one torch must not load under another: the op falls back to its
+    # Python Autograd kernel and says why.
+    code = ("import torch; torch.version.__version__ = '0.0.0'; import moe_ops; from moe_ops import _op; "
+            "print(_op.autograd_status())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Python (moe_ops._autograd cannot be loaded (ImportError: moe_ops._autograd was built against torch " \
+           f"{torch.__version__}, this is torch 0.0.0))" in out.stdout
