@@ -8,8 +8,10 @@ decides their speed. For a tiny problem (G=4, M=128, K=N=64) and Qwen3-30B-A3B's
 the final synchronize) and the host plus the GPU (after it), for: ``moe_ops.grouped_mm``;
 ``torch.ops.moe.grouped_mm``; the pieces of the op's CUDA path (``check_args``, ``select``, the
 Triton launcher ``triton_kernels.grouped_mm``; offs is clamped inside the Triton kernels);
-``torch._grouped_mm``. Writes ``overhead.json``, and ``overhead_profile.txt``: cProfile's
-40 most expensive functions (own time) over 300 calls of the op on the Qwen3 problem.
+``torch._grouped_mm``; and a forward + backward (``torch.autograd.grad`` for both inputs) of
+the op with each of its Autograd kernels (C++ and Python) and of ``torch._grouped_mm``.
+Writes ``overhead.json``, and ``overhead_profile.txt``: cProfile's 40 most expensive functions
+(own time) over 300 calls of the op on the Qwen3 problem.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
         print("gpu_overhead.py needs a CUDA GPU; none is visible to torch here", file=sys.stderr)
         return 2
     import moe_ops
-    from moe_ops import _contract
+    from moe_ops import _contract, _op
     from moe_ops.backends import cuda
     from moe_ops.backends.cuda import triton_kernels as tk
 
@@ -76,8 +78,24 @@ def main(argv=None) -> int:
             "torch._grouped_mm": lambda: torch._grouped_mm(a, b, offs=offs),
         }
         doc["problems"][name] = {k: per_call_us(fn) for k, fn in pieces.items()}
+        a_g, b_g = a.detach().requires_grad_(), b.detach().requires_grad_()
+        ones = torch.ones(M, N, device="cuda", dtype=torch.bfloat16)
+
+        def fwd_bwd(fn):
+            return lambda: torch.autograd.grad(fn(a_g, b_g, offs=offs), (a_g, b_g), ones)
+
+        before = _op._Autograd.active
+        for kind in ("cpp", "python"):
+            try:
+                _op.use_autograd(kind)
+            except RuntimeError as e:
+                print(f"{name}: no {kind} Autograd kernel here ({e})", flush=True)
+                continue
+            doc["problems"][name][f"fwd+bwd moe_ops ({kind} autograd)"] = per_call_us(fwd_bwd(moe_ops.grouped_mm), 50)
+        _op.use_autograd(before)
+        doc["problems"][name]["fwd+bwd torch._grouped_mm"] = per_call_us(fwd_bwd(torch._grouped_mm), 50)
         for k, v in doc["problems"][name].items():
-            print(f"{name:>20} {k:>26}: host {v['host_us']:8.1f} us, host+gpu {v['host_and_gpu_us']:8.1f} us",
+            print(f"{name:>20} {k:>36}: host {v['host_us']:8.1f} us, host+gpu {v['host_and_gpu_us']:8.1f} us",
                   flush=True)
     path = Path(args.out) / "overhead.json"
     path.parent.mkdir(parents=True, exist_ok=True)
