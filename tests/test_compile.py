@@ -6,6 +6,7 @@ Categories:
 * torch.compile(fullgraph=True), static and dynamic: no graph break, correct forward and
   backward, the AOT forward and backward graphs call moe.grouped_mm (no decomposition), and
   the device kernel registered for CPU is the one that runs;
+* compiled autograd (the backward traced by dynamo too);
 * which dispatch keys have kernels; the C++ Autograd kernel's module loads only under the torch
   it was built against.
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
 
 import moe_ops
 from moe_ops import _op, backends
@@ -139,6 +141,24 @@ def test_compile_inductor_dynamic_shapes():
         ex, ew = torch.autograd.grad(_moe_like(x, w, offs, bias), (x, w))
         torch.testing.assert_close(gx, ex)
         torch.testing.assert_close(gw, ew)
+
+
+def test_compiled_autograd(autograd_kernel):
+    """torch.compile with compiled autograd (the backward graph traced too): the gradients of
+    eager mode, with either Autograd kernel (the C++ Function runs as an opaque call there)."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 8, generator=gen, requires_grad=True)
+    w = torch.randn(3, 8, 8, generator=gen, requires_grad=True)
+    offs = torch.tensor([4, 4, 11])
+    want = torch.autograd.grad(_moe_like(x, w, offs, None), (x, w))
+    compiled = torch.compile(_moe_like, backend="aot_eager", fullgraph=True)
+    captures = counters["compiled_autograd"]["captures"]
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        compiled(x, w, offs, None).backward()
+    assert counters["compiled_autograd"]["captures"] == captures + 1  # the backward was traced
+    torch.testing.assert_close(x.grad, want[0])
+    torch.testing.assert_close(w.grad, want[1])
 
 
 def test_dispatch_table():
