@@ -58,6 +58,8 @@ def grouped_mm(
       MOE_OPS_CHECKED=1) validates there as well, at the cost of one host sync per call.
     * Differentiable in mat_a, mat_b and bias; the backward calls this op, so it runs on the
       same native kernels. Works under torch.compile (fullgraph, dynamic) and torch.export.
+    * Under torch.autocast, floating inputs other than float64 are cast to the autocast dtype
+      first (as torch does for mm); out_dtype keeps its meaning.
 
     Args:
         mat_a: [M, K] or [G, M, K].

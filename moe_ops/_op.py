@@ -9,6 +9,8 @@ Registration (measured on torch 2.13, see README "Design"), all through one
   the same native kernels as the forward. It is the C++ one of ``moe_ops._autograd``
   (csrc/autograd) when that module loads, else ``_autograd_kernel`` below (an
   ``autograd.Function``) with the same formulas; ``use_autograd`` switches, the tests run both;
+* an Autocast kernel per autocast key casts the floating inputs to the autocast dtype, as torch
+  does for its matmuls;
 * device kernels are added per dispatch key through ``register_device_kernel`` (one file per
   backend under ``moe_ops/backends``), wrapped by ``kernel_entry`` which does the contract checks.
 """
@@ -120,6 +122,37 @@ _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 def _fake(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
     return mat_a.new_empty(p.out_shape, dtype=p.out_dtype)
+
+
+# Autocast: the rule torch applies to its matmuls (mm, bmm, matmul: "lower precision"): under
+# torch.autocast, floating inputs other than float64 are cast to the autocast dtype of their device
+# before the op runs, and the op runs with autocast off. torch._grouped_mm has no such rule
+# (pytorch/pytorch#174763: fp32 activations with bf16 expert weights fail there under autocast),
+# so MoE code casts by hand around it. Casts are ordinary differentiable ops: fp32 leaves get fp32
+# gradients. out_dtype is kept (None: the autocast dtype; float32: fp32 accumulation and output).
+_AUTOCAST_KEYS = tuple(
+    key for key in ("AutocastCPU", "AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastPrivateUse1")
+    if hasattr(torch._C.DispatchKey, key)
+)
+_NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
+for _key in _AUTOCAST_KEYS:
+    _NO_AUTOCAST = _NO_AUTOCAST | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _key))
+
+
+def _autocast_kernel(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    dtype = torch.get_autocast_dtype(mat_a.device.type)
+
+    def cast(t):
+        if t is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+            return t
+        return t.to(dtype)
+
+    with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+        return _OP(cast(mat_a), cast(mat_b), offs, cast(bias), out_dtype)
+
+
+for _key in _AUTOCAST_KEYS:
+    _lib.impl("grouped_mm", _autocast_kernel, _key)
 
 
 def register_device_kernel(device_type: str, name: str, impl: Callable, *, clamps_offs: bool = False) -> None:

@@ -5,7 +5,7 @@ Categories:
 * CUDA-graph capture: a captured call follows new offs values written into the same tensor,
   invalid ones included (clamped inside the kernel, one launch per call);
 * the kernel that served: "cuda:triton" on sm_80+ (kernel_counts);
-* autograd on the device against the CPU reference;
+* autograd on the device against the CPU reference; autocast casts on the device;
 * 64-bit indices for real: results of more than 2^31 elements (2Dx3D [M, N] and 2Dx2D [G, M, N]).
 The property suite covers the forward contract on the device (implementations "cuda" and
 "op@cuda" in tests/test_properties.py).
@@ -118,6 +118,19 @@ def test_autograd_on_device(dtype):
     rtol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for cpu_grad, cuda_grad in zip(*grads):
         _close(cuda_grad, cpu_grad, rtol)
+
+
+@pytest.mark.skipif(_older_than_sm80(), reason="the Triton kernels need sm_80 or newer")
+def test_autocast_on_device():
+    """fp32 activations with bf16 weights under torch.autocast("cuda", bfloat16): cast to bf16,
+    served by the device kernel, the same result as casting by hand."""
+    a, b, bias, offs = (t.cuda() for t in _problem(dtype=torch.float32))
+    moe_ops.reset_kernel_counts()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = moe_ops.grouped_mm(a, b.to(torch.bfloat16), offs, bias)
+    assert got.dtype == torch.bfloat16 and "reference" not in moe_ops.kernel_counts()
+    want = moe_ops.grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), offs, bias.to(torch.bfloat16))
+    assert torch.equal(got, want)
 
 
 def _enough_memory(gib):
