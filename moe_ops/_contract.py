@@ -82,9 +82,12 @@ def check_types(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> None:
         raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
 
 
+_LAYOUT_BY_RANKS = {(2, 3): LAYOUT_2D3D, (2, 2): LAYOUT_2D2D, (3, 3): LAYOUT_3D3D, (3, 2): LAYOUT_3D2D}
+
+
 def layout_of(mat_a, mat_b) -> str:
     """The layout named by the ranks of mat_a and mat_b (both 2-D or 3-D, as check_args checks)."""
-    return f"{mat_a.dim()}d{mat_b.dim()}d"
+    return _LAYOUT_BY_RANKS[mat_a.dim(), mat_b.dim()]
 
 
 def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
@@ -108,11 +111,11 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
     if mat_b.dtype != dtype:
         raise TypeError(f"mat_b must have mat_a's dtype {dtype}, got {mat_b.dtype}")
 
+    device = mat_a.device
     for name, t in (("mat_b", mat_b), ("offs", offs), ("bias", bias)):
-        if t is not None and t.device != mat_a.device:
+        if t is not None and t.device != device:
             raise ValueError(
-                f"{name} is on device {t.device} but mat_a is on {mat_a.device}; "
-                "all tensors must be on one device"
+                f"{name} is on device {t.device} but mat_a is on {device}; all tensors must be on one device"
             )
 
     if out_dtype is None:
@@ -162,8 +165,8 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
         if offs is not None:
             raise ValueError("offs must be None when mat_a and mat_b are both 3-D (3d x 3d has no ragged dimension)")
     else:
-        ragged = {LAYOUT_2D3D: "M (rows of mat_a)", LAYOUT_2D2D: "K", LAYOUT_3D2D: "N (columns of mat_b)"}[layout]
         if offs is None:
+            ragged = {LAYOUT_2D3D: "M (rows of mat_a)", LAYOUT_2D2D: "K", LAYOUT_3D2D: "N (columns of mat_b)"}[layout]
             raise ValueError(f"offs is required for the {layout} layout: cumulative group ends over {ragged}")
         if offs.dtype not in OFFS_DTYPES:
             raise TypeError(f"offs must be int32 or int64, got {offs.dtype}")

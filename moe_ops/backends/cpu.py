@@ -42,14 +42,16 @@ log = logging.getLogger("moe_ops")
 _loaded: bool | None = None
 _why_not = ""
 _kernel_names: dict = {}
+_kernel = None  # torch.ops.moe_cpu.grouped_mm.default once loaded (the overload: no resolution per call)
 
 
 def _load() -> bool:
     """Import moe_ops._cpu once (it registers torch.ops.moe_cpu); False, with a reason, if absent."""
-    global _loaded, _why_not
+    global _loaded, _why_not, _kernel
     if _loaded is None:
         try:
             importlib.import_module("moe_ops._cpu")
+            _kernel = torch.ops.moe_cpu.grouped_mm.default
             _loaded = True
         except (ImportError, OSError) as e:
             _loaded = False
@@ -69,7 +71,7 @@ def _kernel_name(dtype: torch.dtype) -> str:
 
 def _run(p, mat_a, mat_b, offs, bias):
     note_kernel(_kernel_name(p.dtype))
-    return torch.ops.moe_cpu.grouped_mm(p.layout, mat_a, mat_b, offs, bias, p.out_dtype)
+    return _kernel(p.layout, mat_a, mat_b, offs, bias, p.out_dtype)
 
 
 def _impl(p, mat_a, mat_b, offs, bias):
