@@ -44,6 +44,7 @@ when triton was imported and cannot be called from the interpreted copy.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -297,12 +298,20 @@ def tile_config(arch: int, dtype: torch.dtype, rows_per_group: Optional[int] = N
       stage: 3 stages on sm_90 (144 KiB of 227).
     * persistent programs per SM: 2 for 4-warp configurations whose two pipelines fit in shared
       memory with 32 KiB to spare (e.g. 64x128x64 bf16 on sm_90/sm_100: 2 x 4 x 24 KiB), else 1.
+
+    Memoized on what it depends on (building the TileConfig cost 2 us of every call's host time).
     """
-    tensor_cores = dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and fp32_precision() != "ieee")
+    small_groups = rows_per_group is not None and rows_per_group < 64
+    return _tile_config(arch, dtype, small_groups, fp32_precision() if dtype == torch.float32 else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_config(arch: int, dtype: torch.dtype, small_groups: bool, precision: Optional[str]) -> TileConfig:
+    tensor_cores = dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and precision != "ieee")
     element = torch.finfo(dtype).bits // 8
     if tensor_cores:
         bk = 64 if element == 2 else 32
-        if rows_per_group is not None and rows_per_group < 64:
+        if small_groups:
             BM, BN, BK, warps = 64, 128, bk, 4
         elif arch in (90, 100, 103):
             BM, BN, BK, warps = 128, 256, bk, 8
@@ -403,6 +412,11 @@ def _programs(device: torch.device, config: TileConfig, tiles_bound: int) -> int
     return max(1, min(_num_sms[index] * config.programs_per_sm, tiles_bound))
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Not triton.cdiv: a ConstexprFunction in triton 3.9, 1.5 us per call from Python.
+    return -(-a // b)
+
+
 def _acc_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
@@ -462,7 +476,7 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
         return INTERPRETER_PROGRAMS if interpret else _programs(mat_a.device, config, tiles_bound)
 
     if p.layout == LAYOUT_2D2D:
-        tiles = p.G * triton.cdiv(p.M, config.BM) * triton.cdiv(p.N, config.BN)
+        tiles = p.G * _cdiv(p.M, config.BM) * _cdiv(p.N, config.BN)
         nprog = grid_size(tiles)
         kernels._ragged_k_kernel[(nprog,)](
             mat_a, mat_b, out, offs, p.M, p.N, p.K, p.G,
@@ -487,10 +501,10 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
         s_o = (o.stride(0), o.stride(1), o.stride(2))
     has_offs = p.layout != LAYOUT_3D3D
     if has_offs:  # each group adds at most one partial row tile, and the zero tail one more
-        row_tiles = triton.cdiv(M, config.BM) + p.G + 1
+        row_tiles = _cdiv(M, config.BM) + p.G + 1
     else:
-        row_tiles = p.G * triton.cdiv(M, config.BM)
-    nprog = grid_size(row_tiles * triton.cdiv(N, config.BN))
+        row_tiles = p.G * _cdiv(M, config.BM)
+    nprog = grid_size(row_tiles * _cdiv(N, config.BN))
     has_bias = bias is not None
     s_bias = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
     kernels._rows_kernel[(nprog,)](
