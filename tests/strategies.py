@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LAYOUTS = ("2d3d", "2d2d", "3d3d", "3d2d")
 # How an operand is laid out in memory: contiguous, a transposed view of the other order (e.g.
-# mat_b given as a [G, N, K] tensor viewed as [G, K, N]), or every other element of a larger one.
-STRIDES = ("contiguous", "transposed", "strided")
+# mat_b given as a [G, N, K] tensor viewed as [G, K, N]), every other element of a larger one,
+# or broadcast: stride 0 in the leading dimension (one expert's weights expanded to all G, or one
+# row expanded to all rows).
+STRIDES = ("contiguous", "transposed", "strided", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ def _operand(shape, dtype, stride, gen):
     if stride == "strided":
         store = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen, dtype=torch.float64)
         return store.to(dtype)[..., ::2]
+    if stride == "broadcast":
+        store = torch.randn(1, *shape[1:], generator=gen, dtype=torch.float64)
+        return store.to(dtype).expand(*shape)
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
 
 
