@@ -7,6 +7,7 @@ Categories:
 * every instruction-set level this machine has (ATen fallback, AVX-512, AMX) against the float64
   oracle, since the property suite only runs the best one;
 * the work split: many tiny and empty groups, results bitwise identical for any thread count;
+  groups of up to four rows (decode) through dot products (with AMX from K = 4096);
 * memory: uninitialised outputs and reused scratch never leak into results (NaN poisoning),
   and element offsets past 2**31 are computed in 64 bits;
 * the output cache: freed large outputs' blocks are reused, bounded, released on request, seen
@@ -192,6 +193,57 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
     check(outs[0], a, b, offs, None, None, what=isa)
     for o in outs[1:]:
         assert torch.equal(o, outs[0])  # no split-K: each output element has one summation order
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, None), (torch.float16, None),
+                                             (torch.float16, torch.float32), (torch.bfloat16, None)], ids=str)
+def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype):
+    """Groups of 1-4 rows with k-contiguous weights (decode) are dot products along k on the FMA
+    path; larger groups the blocked kernel. A call mixing both, with a bias, K not a multiple of
+    16, columns not a multiple of 4, a strided mat_a and empty groups, against the oracle, and
+    bitwise identical for any thread count (the kernel is chosen per group, not per item)."""
+    if torch.ops.moe_cpu.machine() == "generic":
+        pytest.skip("this CPU has no AVX-512: the dot-product kernel is x86 AVX-512 code")
+    gen = torch.Generator().manual_seed(5)
+    G, K, N = 12, 83, 45
+    # 0-8 rows: both kernels; few groups, so that with more threads the larger ones are cut into
+    # items of fewer rows (which must not change their kernel).
+    sizes = torch.randint(0, 9, (G,), generator=gen)
+    offs = torch.cumsum(sizes, 0).to(torch.int32)
+    M = int(offs[-1]) + 3  # trailing rows
+    a = torch.randn(M, 2 * K, generator=gen).to(dtype)[:, ::2]
+    b = torch.randn(G, N, K, generator=gen).to(dtype).transpose(1, 2)
+    bias = torch.randn(G, N, generator=gen).to(dtype)
+    isa = "amx" if dtype != torch.bfloat16 else "avx512"  # bf16 reaches the FMA path only without AMX
+    outs = []
+    for threads in (1, 2, 3):
+        with num_threads(threads):
+            outs.append(run((a, b, offs, bias, out_dtype), isa))
+    check(outs[0], a, b, offs, bias, out_dtype, what=f"{dtype} {out_dtype}")
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+def test_amx_groups_of_up_to_four_rows_with_long_rows_of_weights_take_dot_products():
+    """With AMX, groups of 1-4 rows take the dot products only from K = 4096 (rows of W long
+    enough to stream); next to larger groups on the AMX tiles, against the reference, and bitwise
+    identical for any thread count."""
+    if torch.ops.moe_cpu.machine() != "amx":
+        pytest.skip(f"this CPU has no AMX (best: {torch.ops.moe_cpu.machine()})")
+    gen = torch.Generator().manual_seed(6)
+    G, K, N = 6, 4100, 40
+    offs = torch.tensor([1, 4, 4, 9, 11, 30], dtype=torch.int32)  # 1, 3, 0, 5, 2 and 19 rows
+    a = torch.randn(32, K, generator=gen).bfloat16()
+    b = torch.randn(G, N, K, generator=gen).bfloat16().transpose(1, 2)
+    bias = torch.randn(G, N, generator=gen).bfloat16()
+    for out_dtype in (None, torch.float32):
+        outs = []
+        for threads in (1, 2, 3):
+            with num_threads(threads):
+                outs.append(run((a, b, offs, bias, out_dtype), "amx"))
+        check_by_reference(outs[0], a, b, offs, bias, out_dtype, what=f"bf16 {out_dtype}")
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
 
 
 @pytest.mark.parametrize("isa", machine_levels())

@@ -184,6 +184,93 @@ void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* ds
 }
 
 // ---------------------------------------------------------------------------------------------
+// Dot products along k, for groups of one to four rows (decode).
+
+// Groups of at most kGemvRows rows with k-contiguous weights (decode: one token sends one row to
+// each of its top-k experts): C[m, n] = A[m, :] . W[n, :] as dot products along k. Each row of
+// W is read once, in memory order, four rows at a time (four sequential streams the hardware
+// prefetchers follow); the group's rows of A, converted to fp32 once, stay in L1. The blocked
+// kernel below transpose-packs every 64 x K block of W, for one or two rows. Measured here
+// (2 threads, fp32, one token through the expert projection of Qwen3-30B-A3B, OLMoE,
+// DeepSeek-V3 /4, GPT-OSS-20B and Mixtral, experts routed anew every call, 25 alternating
+// rounds, benchmarks/decode.py): 0.88-16 ms at 29-33 GB/s of weights against 1.7-31 ms at
+// 14-17 GB/s for the blocked kernel, torch._grouped_mm (MKL) 23-30 GB/s; at G=64 / G=256 with
+// Dirichlet group sizes (prefill) the same as the blocked kernel. With AMX (bf16) only from
+// K = kGemvAmxMinK: the swapped AMX scheme reads W as tiles without packing, and measured as fast
+// in decode at K = 1792-2880 and 6-8% faster at G=256, K=512 prefill (whose many tiny groups
+// this kernel would take), but at Mixtral's K = 4096, N = 14336 it read 22 GB/s against 27 GB/s
+// here (10.5 -> 8.5 ms; rows of W of 8 KiB make long streams). Chosen by the group's size and K,
+// never the item's, so that a group's summation order does not depend on how the call was cut
+// into items.
+constexpr int64_t kGemvRows = 4;
+constexpr int64_t kGemvAmxMinK = 4096;  // see amx_item
+
+template <Dt D, Dt O, int R, int NJ>
+inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t n, const float* bias) {
+  using T = typename Ty<D>::T;
+  const int64_t K = t.k;
+  const T* w = (const T*)t.b + n * t.b_sn;
+  __m512 acc[NJ][R];
+#pragma GCC unroll 4
+  for (int j = 0; j < NJ; ++j) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 km = mask16(K - k);
+    __m512 wv[NJ];
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; ++j) wv[j] = load16_f32<D>(w + j * t.b_sn + k, km);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_load_ps(ap + r * round_up(K, 16) + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) acc[j][r] = _mm512_fmadd_ps(wv[j], av, acc[j][r]);
+    }
+  }
+  using TO = typename Ty<O>::T;
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    TO* crow = (TO*)t.c + (it.m0 + r) * t.c_sm;
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; ++j) Ty<O>::put(crow + (n + j) * t.c_sn, _mm512_reduce_add_ps(acc[j][r]) + bias[j]);
+  }
+}
+
+template <Dt D, Dt O, int R>
+void gemv_rows(const Task& t, const Item& it, const float* ap) {
+  alignas(64) float bias[16];
+  for (int64_t n = it.n0; n < it.n1;) {
+    if (it.n1 - n >= 4) {
+      load_bias<D>(t, n, 4, bias, 16);
+      gemv_block<D, O, R, 4>(t, it, ap, n, bias);
+      n += 4;
+    } else {
+      load_bias<D>(t, n, 1, bias, 16);
+      gemv_block<D, O, R, 1>(t, it, ap, n, bias);
+      n += 1;
+    }
+  }
+}
+
+template <Dt D, Dt O>
+void gemv_item(const Task& t, const Item& it, void* ws) {
+  using T = typename Ty<D>::T;
+  const int64_t rows = it.m1 - it.m0, K = t.k, lda = round_up(K, 16);
+  float* ap = (float*)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
+  for (int64_t r = 0; r < rows; ++r) {  // rows of A as fp32, zero past K to the vector
+    const T* a = (const T*)t.a + (it.m0 + r) * t.a_sm;
+    for (int64_t k = 0; k < lda; ++k) ap[r * lda + k] = k < K ? (float)Ty<D>::get(a + k * t.a_sk) : 0.0f;
+  }
+  switch (rows) {
+    case 4: gemv_rows<D, O, 4>(t, it, ap); break;
+    case 3: gemv_rows<D, O, 3>(t, it, ap); break;
+    case 2: gemv_rows<D, O, 2>(t, it, ap); break;
+    default: gemv_rows<D, O, 1>(t, it, ap); break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // AMX (bf16 in, fp32 accumulation). Tiles: 0-3 accumulators (16 x 16 fp32), 4-5 the left
 // operand (16 rows x 32 bf16 of k), 6-7 the right operand in VNNI form (16 k-pairs x 16
 // columns x 2). A packed operand is stored tile after tile, [tile][k-step][16][32] bf16, so a
@@ -577,6 +664,10 @@ void amx_item(const Task& t, const Item& it, void* ws) {
   // all the item's rows at a time (G=64, M=2048, K=N=512 bf16 weight gradient 3.8-4.6 -> 3.3 ms,
   // G=256 level; see grouped_mm.cpp).
   const bool swapped = t.b_sk == 1 && t.b_sn != 1;
+  if (swapped && t.m <= kGemvRows && K >= kGemvAmxMinK) {
+    gemv_item<Dt::bf16, O>(t, it, ws);
+    return;
+  }
   if (rows > amx_item_rows(K) || (t.stream && !swapped)) {
     amx_item_panels<O>(t, it, ws);
     return;
@@ -999,6 +1090,12 @@ void fma_item(const Task& t, const Item& it, void* ws) {
   using S = typename VT::S;
   constexpr int64_t NR = 4 * VT::L;
   const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, lda = fma_lda<S>(K);
+  if constexpr (sizeof(S) == 4) {
+    if (t.b_sk == 1 && t.b_sn != 1 && t.m <= kGemvRows) {
+      gemv_item<D, O>(t, it, ws);
+      return;
+    }
+  }
   const int64_t rows_p = round_up(rows, kMR), esz = (int64_t)sizeof(typename Ty<D>::T);
   auto align = [](S* p) { return (S*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
   S* ap = align((S*)ws);
