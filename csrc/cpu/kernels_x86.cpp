@@ -11,8 +11,9 @@
 // packs that block of B once and reuses it for all rows, and writes the block of C with its one
 // rounding (bias added in fp32 before it). AMX items with more rows than fit in L2 (large
 // groups) turn this around: a slice of B stays packed in L2 and the rows stream through
-// (amx_item_panels). Every element of C in the item is written, so the output never needs a
-// zero fill; k == 0 gives the bias or zeros.
+// (amx_item_panels). Groups of one to four rows with k-contiguous weights (decode) are dot
+// products along k instead (gemv_item). Every element of C in the item is written, so the
+// output never needs a zero fill; k == 0 gives the bias or zeros.
 //
 // Two AMX schemes, picked by the strides of B (the expert weights in MoE):
 // * direct: C = A @ B. A is packed into tiles (16 rows x 32 k), B into VNNI tiles (16 k-pairs x
