@@ -14,7 +14,7 @@ Categories:
   by the memory profiler, safe across fork(), and a reused block (written with non-temporal
   stores) is overwritten completely;
 * without the compiled module the package still works, says why, and uses the reference;
-* a smoke run of the benchmark script (no timing assertions).
+* smoke runs of the benchmark scripts (no timing assertions).
 """
 
 from __future__ import annotations
@@ -571,6 +571,26 @@ def test_benchmark_smoke(tmp_path):
         op = row["peers"]["moe_ops"]
         assert "median_ms" in op and op["kernel"].startswith("cpu:"), row
         assert "median_ms" in row["peers"]["dense torch.mm"]
+
+
+def test_decode_and_host_overhead_benchmarks_smoke(tmp_path):
+    """benchmarks/decode.py (small weights, two rounds: every peer's result is checked against
+    the loop of torch.mm before it is timed) and benchmarks/host_overhead.py run and write their
+    JSON; no timing assertions."""
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "decode.py"), "--weight-budget-mib", "4",
+                        "--rounds", "2", "--threads", "2", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads((tmp_path / "decode.json").read_text())["results"]
+    assert len(rows) == 10
+    for row in rows:  # torch._grouped_mm refuses some of the scaled shapes (16-byte strides)
+        assert set(row["us"]) | set(row["not_run"]) == {"moe_ops", "torch._grouped_mm", "loop of torch.mm"}
+        assert "moe_ops" in row["us"] and "loop of torch.mm" in row["us"], row
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "host_overhead.py"), "--rounds", "2",
+                        "--calls", "5", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    timed = json.loads((tmp_path / "host_overhead.json").read_text())["us_per_call"]
+    assert len(timed) == 6 and all("torch._grouped_mm" in row for row in timed.values())
 
 
 def test_benchmark_memory_floor():
