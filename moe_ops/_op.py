@@ -130,29 +130,37 @@ def _fake(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 # (pytorch/pytorch#174763: fp32 activations with bf16 expert weights fail there under autocast),
 # so MoE code casts by hand around it. Casts are ordinary differentiable ops: fp32 leaves get fp32
 # gradients. out_dtype is kept (None: the autocast dtype; float32: fp32 accumulation and output).
-_AUTOCAST_KEYS = tuple(
-    key for key in ("AutocastCPU", "AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastPrivateUse1")
-    if hasattr(torch._C.DispatchKey, key)
-)
-_NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
-for _key in _AUTOCAST_KEYS:
-    _NO_AUTOCAST = _NO_AUTOCAST | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _key))
+#
+# The autocast dispatch keys and the device type whose autocast dtype each one applies (the
+# tensor's own device type can differ: XLA tensors on a GPU reach AutocastCUDA). Registered by
+# name: the Python DispatchKey enum lacks some of them (AutocastXLA), which the dispatcher has.
+_AUTOCAST_DEVICE_TYPES = {
+    "AutocastCPU": "cpu", "AutocastCUDA": "cuda", "AutocastXLA": "xla", "AutocastXPU": "xpu",
+    "AutocastMPS": "mps", "AutocastHPU": "hpu", "AutocastMTIA": "mtia", "AutocastMAIA": "maia",
+    "AutocastIPU": "ipu", "AutocastPrivateUse1": None,  # None: PrivateUse1's name when called
+}
 
 
-def _autocast_kernel(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    dtype = torch.get_autocast_dtype(mat_a.device.type)
+def _autocast_kernel(device_type):
+    def kernel(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        dtype = torch.get_autocast_dtype(device_type or torch._C._get_privateuse1_backend_name())
 
-    def cast(t):
-        if t is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
-            return t
-        return t.to(dtype)
+        def cast(t):
+            if t is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+                return t
+            return t.to(dtype)
 
-    with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
-        return _OP(cast(mat_a), cast(mat_b), offs, cast(bias), out_dtype)
+        with torch._C._DisableAutocast():  # every autocast key excluded: the call below runs as is
+            return _OP(cast(mat_a), cast(mat_b), offs, cast(bias), out_dtype)
+
+    return kernel
 
 
-for _key in _AUTOCAST_KEYS:
-    _lib.impl("grouped_mm", _autocast_kernel, _key)
+for _key, _device_type in _AUTOCAST_DEVICE_TYPES.items():
+    try:
+        _lib.impl("grouped_mm", _autocast_kernel(_device_type), _key)
+    except RuntimeError:  # a torch without this key
+        pass
 
 
 def register_device_kernel(device_type: str, name: str, impl: Callable, *, clamps_offs: bool = False) -> None:
@@ -276,7 +284,13 @@ def use_autograd(kind: str) -> None:
         if _Autograd.lib is not None:
             _Autograd.lib._destroy()
             _Autograd.lib = None
-        module.register_kernel()
+        try:
+            module.register_kernel()
+        except RuntimeError as e:  # never leave the op without an Autograd kernel
+            _Autograd.why_not_cpp = f"moe_ops._autograd could not register its kernel ({e})"
+            _Autograd.active = None
+            use_autograd("python")
+            raise RuntimeError(_Autograd.why_not_cpp) from e
     else:
         if _Autograd.cpp is not None:
             _Autograd.cpp.deregister_kernel()

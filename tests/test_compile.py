@@ -179,3 +179,31 @@ def test_the_cpp_autograd_module_refuses_another_torch(cpp_autograd):
     assert out.returncode == 0, out.stderr
     assert "Python (moe_ops._autograd cannot be loaded (ImportError: moe_ops._autograd was built against torch " \
            f"{torch.__version__}, this is torch 0.0.0))" in out.stdout
+
+
+def test_a_failing_cpp_registration_leaves_the_python_kernel(cpp_autograd):
+    """If the C++ module loads but cannot register its kernel, the op keeps an Autograd kernel
+    (the Python one) and says why: never an op without one (gradients would silently be None)."""
+
+    class Refuses:
+        @staticmethod
+        def register_kernel():
+            raise RuntimeError("injected registration failure")
+
+        @staticmethod
+        def deregister_kernel():
+            pass
+
+    real = _op._Autograd.cpp
+    _op.use_autograd("python")
+    _op._Autograd.cpp = Refuses
+    try:
+        with pytest.raises(RuntimeError, match="injected registration failure"):
+            _op.use_autograd("cpp")
+        assert _op._Autograd.active == "python"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("moe::grouped_mm", "Autograd")
+        a, b, offs, _ = _sample("2d3d", torch.float32, True)
+        (grad_a,) = torch.autograd.grad(torch.ops.moe.grouped_mm(a, b, offs).sum(), (a,))
+        assert grad_a.shape == a.shape
+    finally:
+        _op._Autograd.cpp = real

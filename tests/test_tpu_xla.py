@@ -9,6 +9,7 @@ Categories:
 * the XLA kernel serves every call (kernel_counts names "tpu:pallas-xla", never the reference),
   for all four layouts, fp32 and bf16, bias, out_dtype, empty groups and offs[-1] < M;
 * forward and backward match the float64 oracle within the one tolerance rule;
+* autocast on xla casts the inputs (the AutocastXLA key) before the XLA kernel;
 * new group sizes run the compiled XLA graph again (no new compilation), new shapes compile.
 """
 
@@ -108,6 +109,21 @@ def test_backward_runs_our_xla_kernels(dev, dtype):
     assert torch.count_nonzero(xb.grad[1].cpu()) == 0, "an empty expert's weight gradient is exactly zero"
     ones = torch.ones(1, M, dtype=dtype)
     _check(xbias.grad, ones, grad, offs, None, None, "d bias", shape=(G, N))
+
+
+def test_autocast_on_xla(dev):
+    """torch.autocast("xla", bfloat16): fp32 activations with bf16 weights are cast and served by
+    the XLA kernel, as the same call cast by hand."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = _operands("2d3d", 3, 20, 16, 12, torch.float32, gen)
+    offs = torch.tensor([5, 5, 17], dtype=torch.int32)
+    xa, xb, xoffs = _on(dev, a, b.to(torch.bfloat16), offs)
+    moe_ops.reset_kernel_counts()
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        out = torch.ops.moe.grouped_mm(xa, xb, xoffs)
+    assert out.dtype == torch.bfloat16 and moe_ops.kernel_counts() == {XLA_KERNEL: 1}
+    want = torch.ops.moe.grouped_mm(xa.to(torch.bfloat16), xb, xoffs)
+    assert torch.equal(out.cpu(), want.cpu())
 
 
 def _compiles() -> int:
