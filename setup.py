@@ -50,13 +50,15 @@ def _extensions():
         # -fopenmp: at::parallel_for is OpenMP in torch's CPU wheels and is inlined here; the
         # x86 kernels select their instruction set with a pragma and are used only after a
         # CPUID check, so the build needs no -march flag and runs on any x86-64.
+        # The module refuses to load under any other torch (csrc/common/torch_version_guard.h).
+        define_macros=[("MOE_OPS_TORCH_VERSION", torch.__version__)],
         extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],
     )
     autograd = CppExtension(
         "moe_ops._autograd",
         ["csrc/autograd/grouped_mm_autograd.cpp"],
-        # The module refuses to load under any other torch (see the file).
+        # Likewise.
         define_macros=[("MOE_OPS_TORCH_VERSION", torch.__version__)],
         extra_compile_args=["-O2"],
     )

@@ -13,7 +13,8 @@ Categories:
 * the output cache: freed large outputs' blocks are reused, bounded, released on request, seen
   by the memory profiler, safe across fork(), and a reused block (written with non-temporal
   stores) is overwritten completely;
-* without the compiled module the package still works, says why, and uses the reference;
+* without the compiled module (or with one built against another torch) the package still
+  works, says why, and uses the reference;
 * smoke runs of the benchmark scripts (no timing assertions).
 """
 
@@ -539,10 +540,25 @@ def test_without_the_compiled_module_the_reference_serves_cpu_calls():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
-    assert "MODE None" in r.stdout and "moe_ops._cpu is not built" in r.stdout
+    assert "MODE None" in r.stdout and "moe_ops._cpu cannot be loaded" in r.stdout
     assert "COUNTS {'reference': 3}" in r.stdout
     assert r.stderr.count("CPU calls use the reference") == 1  # the backend's warning, once
     assert r.stderr.count("does not serve this call") == 1  # kernel_entry's fallback note, once
+
+
+def test_the_compiled_module_refuses_another_torch():
+    """Built against one torch, moe_ops._cpu does not load (nor register anything) under another:
+    CPU calls use the reference and the status says why."""
+    code = ("import torch; torch.version.__version__ = '0.0.0'\n"
+            "import moe_ops\nfrom moe_ops import backends\n"
+            "print('DETAIL', [s for s in backends.statuses() if s.name == 'cpu'][0].detail)\n"
+            "print('OPS', hasattr(torch.ops.moe_cpu, 'grouped_mm'))\n"
+            "moe_ops.grouped_mm(torch.randn(4, 3), torch.randn(2, 3, 5), torch.tensor([1, 4]))\n"
+            "print('COUNTS', moe_ops.kernel_counts())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert f"moe_ops._cpu was built against torch {torch.__version__}, this is torch 0.0.0" in r.stdout
+    assert "OPS False" in r.stdout and "COUNTS {'reference': 1}" in r.stdout
 
 
 def test_the_suite_collects_without_the_compiled_module():

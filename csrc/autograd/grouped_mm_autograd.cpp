@@ -18,16 +18,10 @@
 
 #include <Python.h>
 
-#include <cstring>
 #include <memory>
 #include <optional>
 
-#ifndef MOE_OPS_TORCH_VERSION
-#error "setup.py defines MOE_OPS_TORCH_VERSION as the torch.__version__ this module is built against"
-#endif
-// Unquoted on the command line (quotes do not survive every build tool's shell), made a string here.
-#define MOE_OPS_STR2(x) #x
-#define MOE_OPS_STR(x) MOE_OPS_STR2(x)
+#include "../common/torch_version_guard.h"
 
 namespace moe_autograd {
 namespace {
@@ -168,29 +162,12 @@ PyMethodDef methods[] = {
     {"deregister_kernel", deregister_kernel, METH_NOARGS, "Removes it from the dispatch table again."},
     {nullptr, nullptr, 0, nullptr}};
 
-// ImportError unless torch.__version__ is the version this module was compiled against.
-bool same_torch() {
-  PyObject* version = PyImport_ImportModule("torch.version");
-  if (version == nullptr) return false;
-  PyObject* running = PyObject_GetAttrString(version, "__version__");
-  Py_DECREF(version);
-  if (running == nullptr) return false;
-  const char* s = PyUnicode_AsUTF8(running);
-  const bool same = s != nullptr && std::strcmp(s, MOE_OPS_STR(MOE_OPS_TORCH_VERSION)) == 0;
-  if (s != nullptr && !same) {
-    PyErr_Format(PyExc_ImportError, "moe_ops._autograd was built against torch %s, this is torch %s",
-                 MOE_OPS_STR(MOE_OPS_TORCH_VERSION), s);
-  }
-  Py_DECREF(running);
-  return same;
-}
-
 }  // namespace
 }  // namespace moe_autograd
 
 extern "C" PyObject* PyInit__autograd(void) {
   static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_autograd",
                                    "The C++ Autograd kernel of moe::grouped_mm", -1, moe_autograd::methods};
-  if (!moe_autograd::same_torch()) return nullptr;
+  if (!moe_ops_guard::same_torch("moe_ops._autograd")) return nullptr;
   return PyModule_Create(&def);
 }

@@ -36,6 +36,7 @@
 #include <unistd.h>
 #endif
 
+#include "../common/torch_version_guard.h"
 #include "kernels.h"
 #include "output_cache.h"
 
@@ -471,25 +472,42 @@ std::vector<int64_t> cache_info() { return {cache_cached_bytes(), cache_limit_by
 }  // namespace
 }  // namespace moe_cpu
 
-TORCH_LIBRARY(moe_cpu, m) {
+namespace moe_cpu {
+namespace {
+
+// The ops, registered by PyInit__cpu once the torch version is checked (not by static
+// TORCH_LIBRARY initialisers, which would run at dlopen, before any check). Never deleted: the
+// dispatcher may be gone by the time static destructors run.
+void register_ops() {
+  auto* def = new torch::Library(torch::Library::DEF, "moe_cpu", std::nullopt, __FILE__, __LINE__);
   // isa: -1 = best for this machine, 0 = generic (ATen mm per item), 1 = AVX-512, 2 = AMX; a
   // value above what the machine has means the best it has.
-  m.def("grouped_mm(str layout, Tensor mat_a, Tensor mat_b, Tensor? offs, Tensor? bias, ScalarType out_dtype, "
-        "int isa=-1) -> Tensor");
-  m.def("kernel_for(ScalarType dtype, int isa=-1) -> str", &moe_cpu::kernel_for);
-  m.def("machine() -> str", &moe_cpu::machine);
+  def->def("grouped_mm(str layout, Tensor mat_a, Tensor mat_b, Tensor? offs, Tensor? bias, ScalarType out_dtype, "
+           "int isa=-1) -> Tensor");
+  def->def("kernel_for(ScalarType dtype, int isa=-1) -> str", &kernel_for);
+  def->def("machine() -> str", &machine);
   // The output cache (output_cache.cpp): [bytes of free blocks held, limit]; empty_cache unmaps
   // the free blocks and returns how many bytes that released.
-  m.def("cache_info() -> int[]", &moe_cpu::cache_info);
-  m.def("empty_cache() -> int", &moe_cpu::cache_empty);
+  def->def("cache_info() -> int[]", &cache_info);
+  def->def("empty_cache() -> int", &cache_empty);
+  auto* cpu = new torch::Library(torch::Library::IMPL, "moe_cpu", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  cpu->impl("grouped_mm", &grouped_mm);
 }
 
-TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("grouped_mm", &moe_cpu::grouped_mm); }
+}  // namespace
+}  // namespace moe_cpu
 
-// `import moe_ops._cpu` loads this library, which registers the ops above (the pattern of
-// pytorch/extension-cpp: no pybind11, the module itself is empty).
+// `import moe_ops._cpu` checks the torch version and registers the ops above (no pybind11; the
+// module itself is empty).
 extern "C" PyObject* PyInit__cpu(void) {
   static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_cpu", "moe_ops' native CPU kernels (torch.ops.moe_cpu)",
                                    -1, nullptr};
+  if (!moe_ops_guard::same_torch("moe_ops._cpu")) return nullptr;
+  try {
+    moe_cpu::register_ops();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ImportError, e.what());
+    return nullptr;
+  }
   return PyModule_Create(&def);
 }

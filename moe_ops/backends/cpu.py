@@ -58,7 +58,7 @@ def _load() -> bool:
             _loaded = True
         except (ImportError, OSError) as e:
             _loaded = False
-            _why_not = (f"the C++ extension moe_ops._cpu is not built ({type(e).__name__}: {e}); "
+            _why_not = (f"the C++ extension moe_ops._cpu cannot be loaded ({type(e).__name__}: {e}); "
                         "reinstall with `pip install --no-build-isolation -e .` and a C++ compiler")
             log.warning("moe_ops: %s; CPU calls use the reference", _why_not)
     return _loaded
