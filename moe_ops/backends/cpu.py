@@ -24,7 +24,8 @@ most 1024; 0 turns the cache off); ``moe_ops.empty_cpu_cache()`` releases them.
 
 ``MOE_OPS_CPU_ISA=generic|avx512`` caps the instruction set (read once per process). The
 compiled module is optional: when it is missing (no compiler at install time, a build with
-MOE_OPS_NO_EXTENSION=1), ``status()`` says why and the op computes CPU calls with the
+MOE_OPS_NO_EXTENSION=1) or was built against another torch (it checks before registering
+anything), ``status()`` says why and the op computes CPU calls with the
 reference, logged once.
 """
 
