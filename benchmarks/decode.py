@@ -6,9 +6,10 @@ In decode a MoE layer sends each token to top-k of G experts, so a call multipli
 by top-k expert matrices out of G: it is bound by reading those matrices from memory, not by
 FLOPs, and the dense-roofline ratio of bench.py says little about it. This times, per model
 (experts, top-k, hidden, ffn of cases.MODELS; dims divided by a power of two only where the
-bf16 weights would pass --weight-budget-mib), the forward 2Dx3D call with [G, N, K] weights
-viewed as [G, K, N], for ``moe_ops.grouped_mm``, ``torch._grouped_mm`` and a loop of
-``torch.mm`` over the non-empty groups. Every call routes anew (each token picks top-k distinct
+bf16 weights would pass --weight-budget-mib), the forward 2Dx3D call for ``moe_ops.grouped_mm``,
+``torch._grouped_mm`` and a loop of ``torch.mm`` over the non-empty groups, with the expert
+weights stored [G, N, K] (nn.Linear-style, viewed as [G, K, N]: k-contiguous) and stored
+[G, K, N] (n-contiguous, as some MoE codebases keep them; also the layout of the input gradient). Every call routes anew (each token picks top-k distinct
 experts at random), so the experts' weights come from memory as in a real decode step, not from
 a cache that the previous call warmed. Rounds alternate the order of the peers; medians.
 
@@ -35,6 +36,7 @@ import moe_ops  # noqa: E402
 from cases import MODELS  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LAYOUTS = {"gnk": "[G, N, K]", "gkn": "[G, K, N]"}
 
 
 def routed_offs(G: int, tokens: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
@@ -62,14 +64,17 @@ PEERS = {
 }
 
 
-def bench_model(name, G, top_k, hidden, ffn, dtype, tokens, rounds, budget) -> dict:
+def bench_model(name, G, top_k, hidden, ffn, dtype, tokens, rounds, budget, layout) -> dict:
     s = 1
     while G * (hidden // s) * (ffn // s) * 2 > budget:
         s *= 2
     K, N = hidden // s, ffn // s
     gen = torch.Generator().manual_seed(0)
-    weights = torch.randn(G, N, K, generator=gen, dtype=torch.float32).to(dtype)
-    b = weights.transpose(1, 2)
+    if layout == "gnk":
+        weights = torch.randn(G, N, K, generator=gen, dtype=torch.float32).to(dtype)
+        b = weights.transpose(1, 2)
+    else:
+        weights = b = torch.randn(G, K, N, generator=gen, dtype=torch.float32).to(dtype)
     a = torch.randn(tokens * top_k, K, generator=gen, dtype=torch.float32).to(dtype)
     offs = routed_offs(G, tokens, top_k, gen)
     ref = _loop(a, b, offs).float()
@@ -95,7 +100,7 @@ def bench_model(name, G, top_k, hidden, ffn, dtype, tokens, rounds, budget) -> d
     med = {peer: statistics.median(v) for peer, v in times.items()}
     read = statistics.mean(experts) * K * N * weights.element_size()
     tag = f"{name} /{s}" if s > 1 else name
-    return {"model": tag, "G": G, "top_k": top_k, "K": K, "N": N, "tokens": tokens,
+    return {"model": tag, "weights": layout, "G": G, "top_k": top_k, "K": K, "N": N, "tokens": tokens,
             "dtype": str(dtype).replace("torch.", ""), "expert_bytes_per_call": read,
             "us": {p: m * 1e6 for p, m in med.items()}, "GB_per_s": {p: read / m / 1e9 for p, m in med.items()},
             "vs_moe_ops": {p: m / med["moe_ops"] for p, m in med.items()}, "not_run": notes}
@@ -108,21 +113,23 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--weight-budget-mib", type=int, default=1024, help="bf16 expert weights per model, at most")
+    ap.add_argument("--weights", default="gnk,gkn", help="how the expert weights are stored: gnk ([G, N, K]), gkn")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
-    print(f"| model | dtype | experts read | moe_ops | torch._grouped_mm | loop of torch.mm |\n|---|---|---|---|---|---|")
-    for name, G, top_k, hidden, ffn in MODELS:
-        for d in args.dtypes.split(","):
-            r = bench_model(name, G, top_k, hidden, ffn, DTYPES[d], args.tokens, args.rounds,
-                            args.weight_budget_mib << 20)
-            rows.append(r)
-            cells = [r["not_run"][p] if p in r["not_run"] else f"{r['us'][p]:.0f} us ({r['GB_per_s'][p]:.0f} GB/s"
-                     + ("" if p == "moe_ops" else f", x{r['vs_moe_ops'][p]:.2f}") + ")" for p in PEERS]
-            print(f"| {r['model']} (G={G}, top-{top_k}, K={r['K']}, N={r['N']}) | {d} | "
-                  f"{r['expert_bytes_per_call'] / 2**20:.1f} MiB | " + " | ".join(cells) + " |", flush=True)
+    print("| model | weights | dtype | experts read | moe_ops | torch._grouped_mm | loop of torch.mm |\n"
+          "|---|---|---|---|---|---|---|")
+    for (name, G, top_k, hidden, ffn), layout, d in [(m, w, d) for m in MODELS for w in args.weights.split(",")
+                                                      for d in args.dtypes.split(",")]:
+        r = bench_model(name, G, top_k, hidden, ffn, DTYPES[d], args.tokens, args.rounds,
+                        args.weight_budget_mib << 20, layout)
+        rows.append(r)
+        cells = [r["not_run"][p] if p in r["not_run"] else f"{r['us'][p]:.0f} us ({r['GB_per_s'][p]:.0f} GB/s"
+                 + ("" if p == "moe_ops" else f", x{r['vs_moe_ops'][p]:.2f}") + ")" for p in PEERS]
+        print(f"| {r['model']} (G={G}, top-{top_k}, K={r['K']}, N={r['N']}) | {LAYOUTS[layout]} | {d} | "
+              f"{r['expert_bytes_per_call'] / 2**20:.1f} MiB | " + " | ".join(cells) + " |", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "tokens": args.tokens,

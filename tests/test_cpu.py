@@ -7,7 +7,7 @@ Categories:
 * every instruction-set level this machine has (ATen fallback, AVX-512, AMX) against the float64
   oracle, since the property suite only runs the best one;
 * the work split: many tiny and empty groups, results bitwise identical for any thread count;
-  groups of up to four rows (decode) through dot products (with AMX from K = 4096);
+  groups of up to four rows (decode) through dot products along k or streamed rows of W;
 * memory: uninitialised outputs and reused scratch never leak into results (NaN poisoning),
   and element offsets past 2**31 are computed in 64 bits;
 * the output cache: freed large outputs' blocks are reused, bounded, released on request, seen
@@ -196,13 +196,15 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
         assert torch.equal(o, outs[0])  # no split-K: each output element has one summation order
 
 
+@pytest.mark.parametrize("weights", ["[G,N,K]", "[G,K,N]"])
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, None), (torch.float16, None),
                                              (torch.float16, torch.float32), (torch.bfloat16, None)], ids=str)
-def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype):
-    """Groups of 1-4 rows with k-contiguous weights (decode) are dot products along k on the FMA
-    path; larger groups the blocked kernel. A call mixing both, with a bias, K not a multiple of
-    16, columns not a multiple of 4, a strided mat_a and empty groups, against the oracle, and
-    bitwise identical for any thread count (the kernel is chosen per group, not per item)."""
+def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
+    """Groups of 1-4 rows (decode) on the FMA path: dot products along k with k-contiguous
+    weights ([G, N, K] viewed as [G, K, N]), rows of W streamed with n-contiguous ones ([G, K, N]);
+    larger groups the blocked kernel. A call mixing both, with a bias, K not a multiple of 16,
+    columns not a multiple of 4, a strided mat_a and empty groups, against the oracle, and bitwise
+    identical for any thread count (the kernel is chosen per group, not per item)."""
     if torch.ops.moe_cpu.machine() == "generic":
         pytest.skip("this CPU has no AVX-512: the dot-product kernel is x86 AVX-512 code")
     gen = torch.Generator().manual_seed(5)
@@ -213,7 +215,10 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype):
     offs = torch.cumsum(sizes, 0).to(torch.int32)
     M = int(offs[-1]) + 3  # trailing rows
     a = torch.randn(M, 2 * K, generator=gen).to(dtype)[:, ::2]
-    b = torch.randn(G, N, K, generator=gen).to(dtype).transpose(1, 2)
+    if weights == "[G,N,K]":
+        b = torch.randn(G, N, K, generator=gen).to(dtype).transpose(1, 2)
+    else:
+        b = torch.randn(G, K, N, generator=gen).to(dtype)
     bias = torch.randn(G, N, generator=gen).to(dtype)
     isa = "amx" if dtype != torch.bfloat16 else "avx512"  # bf16 reaches the FMA path only without AMX
     outs = []
@@ -225,17 +230,22 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype):
         assert torch.equal(o, outs[0])
 
 
-def test_amx_groups_of_up_to_four_rows_with_long_rows_of_weights_take_dot_products():
-    """With AMX, groups of 1-4 rows take the dot products only from K = 4096 (rows of W long
-    enough to stream); next to larger groups on the AMX tiles, against the reference, and bitwise
-    identical for any thread count."""
+@pytest.mark.parametrize("weights,K", [("[G,N,K]", 4100), ("[G,K,N]", 300)])
+def test_amx_groups_of_up_to_four_rows_take_the_decode_kernels(weights, K):
+    """With AMX, groups of 1-4 rows take the dot products from K = 4096 with k-contiguous weights
+    (rows of W long enough to stream), and the streamed rows of W at any K with n-contiguous ones;
+    next to larger groups on the AMX tiles, against the reference, and bitwise identical for any
+    thread count."""
     if torch.ops.moe_cpu.machine() != "amx":
         pytest.skip(f"this CPU has no AMX (best: {torch.ops.moe_cpu.machine()})")
     gen = torch.Generator().manual_seed(6)
-    G, K, N = 6, 4100, 40
+    G, N = 6, 40
     offs = torch.tensor([1, 4, 4, 9, 11, 30], dtype=torch.int32)  # 1, 3, 0, 5, 2 and 19 rows
     a = torch.randn(32, K, generator=gen).bfloat16()
-    b = torch.randn(G, N, K, generator=gen).bfloat16().transpose(1, 2)
+    if weights == "[G,N,K]":
+        b = torch.randn(G, N, K, generator=gen).bfloat16().transpose(1, 2)
+    else:
+        b = torch.randn(G, K, N, generator=gen).bfloat16()
     bias = torch.randn(G, N, generator=gen).bfloat16()
     for out_dtype in (None, torch.float32):
         outs = []
@@ -598,7 +608,7 @@ def test_decode_and_host_overhead_benchmarks_smoke(tmp_path):
                        capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads((tmp_path / "decode.json").read_text())["results"]
-    assert len(rows) == 10
+    assert len(rows) == 20  # 5 models x 2 weight layouts x 2 dtypes
     for row in rows:  # torch._grouped_mm refuses some of the scaled shapes (16-byte strides)
         assert set(row["us"]) | set(row["not_run"]) == {"moe_ops", "torch._grouped_mm", "loop of torch.mm"}
         assert "moe_ops" in row["us"] and "loop of torch.mm" in row["us"], row

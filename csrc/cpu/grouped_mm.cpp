@@ -258,16 +258,20 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
 // of `n_align`) small enough that the largest item is at most 1/8 of one thread's share. With
 // dynamic scheduling that bounds the idle tail to about an eighth of a share, and items stay big
 // enough (>= 64 columns) for the packed block of B to pay off. A task too narrow for that many
-// column chunks is cut into more (and equal) row chunks instead.
-template <typename MaxRows>
-std::vector<Item> make_items(const std::vector<Task>& tasks, int64_t threads, int64_t n_align, const MaxRows& max_rows) {
+// column chunks is cut into more (and equal) row chunks instead. A task for which
+// `whole_rows(task)` holds is cut only to one thread's share (its kernel reads rows of B across
+// the item's columns: the wider the item, the longer the runs it reads).
+template <typename MaxRows, typename WholeRows>
+std::vector<Item> make_items(const std::vector<Task>& tasks, int64_t threads, int64_t n_align, const MaxRows& max_rows,
+                             const WholeRows& whole_rows) {
   double total = 0;
   for (const auto& t : tasks) total += (double)t.m * t.n * (double)std::max<int64_t>(t.k, 16);
-  const double cap = std::max(total / (8.0 * threads), 1.0);
+  const double fine_cap = std::max(total / (8.0 * threads), 1.0), share = std::max(total / threads, 1.0);
   std::vector<Item> items;
   for (const auto i : c10::irange((int64_t)tasks.size())) {
     const Task& t = tasks[i];
     if (t.m == 0 || t.n == 0) continue;
+    const double cap = whole_rows(t) ? share : fine_cap;
     const int64_t max_cols_pieces = std::max<int64_t>(1, t.n / std::max<int64_t>(64, n_align));
     const double task_cost = (double)t.m * t.n * (double)std::max<int64_t>(t.k, 16);
     const int64_t need = std::max<int64_t>(1, (int64_t)std::ceil(task_cost / cap));
@@ -334,7 +338,9 @@ std::vector<double> item_costs(const std::vector<Task>& tasks, const std::vector
 void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
   const int64_t threads = at::get_num_threads();
   const int64_t n_align = (isa == Isa::amx && in == Dt::bf16) ? 32 : 64;
-  const auto items = make_items(tasks, threads, n_align, [&](int64_t k) { return x86::max_item_rows(isa, in, k); });
+  const auto items = make_items(
+      tasks, threads, n_align, [&](int64_t k) { return x86::max_item_rows(isa, in, k); },
+      [&](const Task& t) { return x86::whole_row_items(isa, in, t); });
   int64_t ws_bytes = 0;
   for (const auto& t : tasks) ws_bytes = std::max(ws_bytes, x86::workspace_bytes(isa, in, t.k));
   run_items(
@@ -353,7 +359,8 @@ void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
 // The portable path: ATen's mm (MKL / oneDNN / ATen's blas) on each item's views, single-threaded
 // inside the parallel region.
 void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>& tasks) {
-  const auto items = make_items(tasks, at::get_num_threads(), 16, [](int64_t) { return int64_t{256}; });
+  const auto items = make_items(
+      tasks, at::get_num_threads(), 16, [](int64_t) { return int64_t{256}; }, [](const Task&) { return false; });
   const auto acc = in == at::kDouble ? at::kDouble : at::kFloat;
   const auto in_opts = at::TensorOptions().dtype(in);
   run_items(

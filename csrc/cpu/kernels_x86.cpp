@@ -11,9 +11,10 @@
 // packs that block of B once and reuses it for all rows, and writes the block of C with its one
 // rounding (bias added in fp32 before it). AMX items with more rows than fit in L2 (large
 // groups) turn this around: a slice of B stays packed in L2 and the rows stream through
-// (amx_item_panels). Groups of one to four rows with k-contiguous weights (decode) are dot
-// products along k instead (gemv_item). Every element of C in the item is written, so the
-// output never needs a zero fill; k == 0 gives the bias or zeros.
+// (amx_item_panels). Groups of one to four rows (decode) take gemv_item (dot products along k,
+// k-contiguous weights) or gemvt_item (rows of W streamed, n-contiguous weights) instead. Every
+// element of C in the item is written, so the output never needs a zero fill; k == 0 gives the
+// bias or zeros.
 //
 // Two AMX schemes, picked by the strides of B (the expert weights in MoE):
 // * direct: C = A @ B. A is packed into tiles (16 rows x 32 k), B into VNNI tiles (16 k-pairs x
@@ -185,7 +186,7 @@ void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* ds
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dot products along k, for groups of one to four rows (decode).
+// Groups of one to four rows (decode): dot products along k, or the rows of B streamed.
 
 // Groups of at most kGemvRows rows with k-contiguous weights (decode: one token sends one row to
 // each of its top-k experts): C[m, n] = A[m, :] . W[n, :] as dot products along k. Each row of
@@ -254,20 +255,138 @@ void gemv_rows(const Task& t, const Item& it, const float* ap) {
   }
 }
 
+// The item's rows of A as fp32 in the workspace, lda apart, zero past K.
+template <Dt D>
+const float* gemv_pack_rows(const Task& t, const Item& it, void* ws, int64_t lda) {
+  using T = typename Ty<D>::T;
+  float* ap = (float*)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
+  for (int64_t r = 0; r < it.m1 - it.m0; ++r) {
+    const T* a = (const T*)t.a + (it.m0 + r) * t.a_sm;
+    for (int64_t k = 0; k < lda; ++k) ap[r * lda + k] = k < t.k ? (float)Ty<D>::get(a + k * t.a_sk) : 0.0f;
+  }
+  return ap;
+}
+
 template <Dt D, Dt O>
 void gemv_item(const Task& t, const Item& it, void* ws) {
-  using T = typename Ty<D>::T;
-  const int64_t rows = it.m1 - it.m0, K = t.k, lda = round_up(K, 16);
-  float* ap = (float*)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
-  for (int64_t r = 0; r < rows; ++r) {  // rows of A as fp32, zero past K to the vector
-    const T* a = (const T*)t.a + (it.m0 + r) * t.a_sm;
-    for (int64_t k = 0; k < lda; ++k) ap[r * lda + k] = k < K ? (float)Ty<D>::get(a + k * t.a_sk) : 0.0f;
-  }
+  const int64_t rows = it.m1 - it.m0, lda = round_up(t.k, 16);
+  const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
   switch (rows) {
     case 4: gemv_rows<D, O, 4>(t, it, ap); break;
     case 3: gemv_rows<D, O, 3>(t, it, ap); break;
     case 2: gemv_rows<D, O, 2>(t, it, ap); break;
     default: gemv_rows<D, O, 1>(t, it, ap); break;
+  }
+}
+
+// The same groups with n-contiguous weights (W stored [G, K, N], as the input gradient reads the
+// forward's [G, N, K] weights, or models that keep their experts [G, K, N]): C[m, :] = sum over k
+// of A[m, k] * W[k, :]. Rows of W are read in memory order, four side by side, across all of the
+// item's columns (up to kGemvtCols at a time), scaled by A[m, k] and added into fp32 sums of the
+// item's rows kept in L1/L2 (y), while the rows kGemvtAheadRows further on are prefetched; such a
+// task is cut into as few column pieces as the threads need (whole_row_items), so that an item
+// reads whole rows, i.e. its expert's matrix front to back. Each output element is summed over k
+// in order, as in the blocked FMA kernel (the results are the same bit for bit); bf16 with AMX
+// takes it too (the tile kernel VNNI-packed all of W for a row or two). Measured here
+// (benchmarks/decode.py, 2 threads, one token, experts routed anew every call, [G, K, N]
+// weights): fp32 Qwen3-30B-A3B / OLMoE / GPT-OSS-20B / Mixtral 2.8-3.1 / 3.5-3.8 / 8.4-9.4 / -
+// ms with the blocked kernel, 1.7-1.8 / 2.0-2.1 / 4.4-4.5 / 18.0 ms with this, torch._grouped_mm
+// 2.0 / 2.5 / 4.4 / 15.5 ms; bf16 0.9-1.0 / 1.1 / 2.4-2.6 / 8.6-8.7 ms against 1.6-1.8 / 2.1-2.5 /
+// 4.2-4.8 / 12.3 ms on the tiles and torch._grouped_mm 2.1-2.2 / 3.0 / 6.5-6.7 / 24 ms. One row
+// per pass with y read and written per row instead: fp32 Mixtral 23 ms, GPT-OSS 5.0-5.3 ms;
+// register strips of 256 columns per pass over K (1 KiB runs per row): GPT-OSS 6.6 ms; items cut
+// for 8 per thread: 5.4-5.8 ms; eight rows side by side: Mixtral 18.8 ms. G=64 / G=256 prefill
+// input gradients unchanged (alternating A/B, within 4%).
+constexpr int64_t kGemvtCols = 16384;
+constexpr int64_t kGemvtAheadRows = 4;
+
+bool gemvt_task(const Task& t) { return t.b_sn == 1 && t.b_sk != 1 && t.m <= kGemvRows; }
+
+// Rows k0 .. k0 + KB - 1 of W added into y: KB rows streamed side by side, y read and written
+// once per KB rows; each element still sums its k in order (one fma per row, in registers).
+template <Dt D, int R, int KB>
+inline void gemvt_rows_into(const Task& t, const float* ap, int64_t lda, const typename Ty<D>::T* b, int64_t k0,
+                            int64_t nc, float* y, int64_t ldy) {
+  using T = typename Ty<D>::T;
+  const int64_t nv = ceil_div(nc, 16);
+  const T* row[KB];
+  __m512 av[KB][R];
+#pragma GCC unroll 4
+  for (int q = 0; q < KB; ++q) {
+    row[q] = b + (k0 + q) * t.b_sk;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) av[q][r] = _mm512_set1_ps(ap[r * lda + k0 + q]);
+  }
+  const char* ahead = (const char*)(b + (k0 + KB + kGemvtAheadRows) * t.b_sk);  // a prefetch never faults
+  for (int64_t j = 0; j < nv; ++j) {
+    if ((j * 16 * (int64_t)sizeof(T)) % 64 == 0) {
+#pragma GCC unroll 4
+      for (int q = 0; q < KB; ++q) _mm_prefetch(ahead + q * t.b_sk * (int64_t)sizeof(T) + j * 16 * sizeof(T), _MM_HINT_T0);
+    }
+    const __mmask16 cm = mask16(nc - 16 * j);
+    __m512 bv[KB];
+#pragma GCC unroll 4
+    for (int q = 0; q < KB; ++q) bv[q] = load16_f32<D>(row[q] + 16 * j, cm);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      float* yp = y + r * ldy + 16 * j;
+      __m512 acc = _mm512_load_ps(yp);
+#pragma GCC unroll 4
+      for (int q = 0; q < KB; ++q) acc = _mm512_fmadd_ps(av[q][r], bv[q], acc);
+      _mm512_store_ps(yp, acc);
+    }
+  }
+}
+
+template <Dt D, int R>
+void gemvt_chunk(const Task& t, const float* ap, int64_t lda, int64_t n0, int64_t nc, float* y) {
+  const int64_t ldy = round_up(nc, 16);
+  for (int64_t i = 0; i < R * ldy; i += 16) _mm512_store_ps(y + i, _mm512_setzero_ps());
+  const auto* b = (const typename Ty<D>::T*)t.b + n0 * t.b_sn;
+  int64_t k = 0;
+  for (; k + 4 <= t.k; k += 4) gemvt_rows_into<D, R, 4>(t, ap, lda, b, k, nc, y, ldy);
+  for (; k < t.k; ++k) gemvt_rows_into<D, R, 1>(t, ap, lda, b, k, nc, y, ldy);
+}
+
+template <Dt D, Dt O, int R>
+void gemvt_rows(const Task& t, const Item& it, const float* ap, int64_t lda, float* y) {
+  using TO = typename Ty<O>::T;
+  alignas(64) float bias[16];
+  for (int64_t n0 = it.n0; n0 < it.n1; n0 += kGemvtCols) {
+    const int64_t nc = imin(kGemvtCols, it.n1 - n0), ldy = round_up(nc, 16);
+    gemvt_chunk<D, R>(t, ap, lda, n0, nc, y);
+    for (int64_t j = 0; j < nc; j += 16) {
+      const __mmask16 cm = mask16(nc - j);
+      load_bias<D>(t, n0 + j, imin(16, nc - j), bias, 16);
+      const __m512 bv = _mm512_load_ps(bias);
+      for (int64_t r = 0; r < R; ++r) {
+        TO* c = (TO*)t.c + (it.m0 + r) * t.c_sm + (n0 + j) * t.c_sn;
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(y + r * ldy + j), bv);
+        if (t.c_sn == 1) {
+          store16_f32<O>(c, v, cm);
+        } else {
+          alignas(64) float tmp[16];
+          _mm512_store_ps(tmp, v);
+          for (int64_t x = 0; x < imin(16, nc - j); ++x) Ty<O>::put(c + x * t.c_sn, tmp[x]);
+        }
+      }
+    }
+  }
+}
+
+// Workspace: the rows of A (gemv_pack_rows), then y (at most kGemvRows x kGemvtCols floats,
+// 256 KiB) past 4 rows of A: within both fma_workspace (>= 512 KiB of B panels besides 6 rows of
+// A; asserted below) and amx_workspace (>= 1 MiB of B slice besides 32 rows of A).
+template <Dt D, Dt O>
+void gemvt_item(const Task& t, const Item& it, void* ws) {
+  const int64_t lda = round_up(imax(t.k, 1), 16);
+  const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
+  float* y = (float*)(((uintptr_t)(ap + kGemvRows * lda) + 63) & ~(uintptr_t)63);
+  switch (it.m1 - it.m0) {
+    case 4: gemvt_rows<D, O, 4>(t, it, ap, lda, y); break;
+    case 3: gemvt_rows<D, O, 3>(t, it, ap, lda, y); break;
+    case 2: gemvt_rows<D, O, 2>(t, it, ap, lda, y); break;
+    default: gemvt_rows<D, O, 1>(t, it, ap, lda, y); break;
   }
 }
 
@@ -669,6 +788,10 @@ void amx_item(const Task& t, const Item& it, void* ws) {
     gemv_item<Dt::bf16, O>(t, it, ws);
     return;
   }
+  if (gemvt_task(t)) {
+    gemvt_item<Dt::bf16, O>(t, it, ws);
+    return;
+  }
   if (rows > amx_item_rows(K) || (t.stream && !swapped)) {
     amx_item_panels<O>(t, it, ws);
     return;
@@ -1031,6 +1154,8 @@ int64_t fma_item_rows(Dt in, int64_t K) {
 
 constexpr int64_t kPartBytes = 256 * 1024;  // partial sums of one item's C block (L2)
 constexpr int64_t kWideCols = 1024;          // widest block of B rows packed at once
+// gemvt_item's sums (y) fit in the room fma_workspace keeps for the packed B.
+static_assert(kGemvRows * kGemvtCols + 64 <= kKC * kWideCols, "gemvt_item's sums fit in the FMA workspace");
 
 int64_t fma_workspace(Dt in, int64_t K) {
   const int64_t s = in == Dt::f64 ? 8 : 4;
@@ -1094,6 +1219,10 @@ void fma_item(const Task& t, const Item& it, void* ws) {
   if constexpr (sizeof(S) == 4) {
     if (t.b_sk == 1 && t.b_sn != 1 && t.m <= kGemvRows) {
       gemv_item<D, O>(t, it, ws);
+      return;
+    }
+    if (gemvt_task(t)) {
+      gemvt_item<D, O>(t, it, ws);
       return;
     }
   }
@@ -1184,6 +1313,10 @@ int64_t max_item_rows(Isa isa, Dt in, int64_t k) {
   // G=8, M=4096, K=1024, N=2048, bf16, 20 alternating rounds): rows cut at 512 / 1024 / whole
   // groups, forward 15.9 / 15.6 / 13.8 ms, input gradient 16.8 / 17.6 / 14.2 ms.
   return uses_amx(isa, in) ? kWholeGroup : fma_item_rows(in, k);
+}
+
+bool whole_row_items(Isa isa, Dt in, const Task& task) {
+  return isa != Isa::generic && in != Dt::f64 && gemvt_task(task);
 }
 
 int64_t workspace_bytes(Isa isa, Dt in, int64_t k) {

@@ -9,8 +9,9 @@ at::parallel_for region share, and computes each item with:
 * "avx512": fp32 / fp16 / fp64, and bf16 without AMX (AVX-512 FMA, fp32 or fp64 accumulation);
 * "aten": ATen's mm on the item's views (any other CPU, or ``MOE_OPS_CPU_ISA=generic``).
 
-Groups of one to four rows with k-contiguous weights (decode: one row per chosen expert) are
-dot products along k on the AVX-512 path (with AMX only from K = 4096).
+Groups of one to four rows (decode: one row per chosen expert) take kernels made for them: dot
+products along k with k-contiguous weights (with AMX only from K = 4096), the rows of W streamed
+with n-contiguous ones.
 
 Groups of at least 2**28 multiply-adds in bf16, 2**26 in fp32 (no bias, output in the input
 dtype) are computed whole by ATen's mm with all threads (oneDNN/MKL), before the items.
