@@ -290,8 +290,9 @@ void gemv_item(const Task& t, const Item& it, void* ws) {
 // takes it too (the tile kernel VNNI-packed all of W for a row or two). Measured here
 // (benchmarks/decode.py, 2 threads, one token, experts routed anew every call, [G, K, N]
 // weights): fp32 Qwen3-30B-A3B / OLMoE / GPT-OSS-20B / Mixtral 2.8-3.1 / 3.5-3.8 / 8.4-9.4 / -
-// ms with the blocked kernel, 1.7-1.8 / 2.0-2.1 / 4.4-4.5 / 18.0 ms with this, torch._grouped_mm
-// 2.0 / 2.5 / 4.4 / 15.5 ms; bf16 0.9-1.0 / 1.1 / 2.4-2.6 / 8.6-8.7 ms against 1.6-1.8 / 2.1-2.5 /
+// ms with the blocked kernel, 1.7-1.8 / 2.0-2.1 / 4.2-4.5 / 15.4-15.9 ms with this (Mixtral with
+// kGemvtPrefetchBelow), torch._grouped_mm 2.0 / 2.5 / 4.4 / 15.4-15.8 ms; bf16 0.9-1.0 / 1.1 /
+// 2.2-2.6 / 8.3-8.7 ms against 1.6-1.8 / 2.1-2.5 /
 // 4.2-4.8 / 12.3 ms on the tiles and torch._grouped_mm 2.1-2.2 / 3.0 / 6.5-6.7 / 24 ms. One row
 // per pass with y read and written per row instead: fp32 Mixtral 23 ms, GPT-OSS 5.0-5.3 ms;
 // register strips of 256 columns per pass over K (1 KiB runs per row): GPT-OSS 6.6 ms; items cut
@@ -299,6 +300,12 @@ void gemv_item(const Task& t, const Item& it, void* ws) {
 // input gradients unchanged (alternating A/B, within 4%).
 constexpr int64_t kGemvtCols = 16384;
 constexpr int64_t kGemvtAheadRows = 4;
+// Software prefetch only for runs of W shorter than this per row: longer ones the hardware
+// prefetchers stream alone, and the prefetches got in their way. Measured (2 threads, 16
+// alternating rounds, [G, K, N] weights) with / without: fp32 Mixtral (56 KiB runs) 16.7 / 14.8
+// ms (torch._grouped_mm 14.7), bf16 8.3 / 7.9; fp32 Qwen3-30B-A3B (3 KiB) 1.63 / 1.83, GPT-OSS
+// (11 KiB) 4.1 / 4.3, bf16 0.85 / 1.43 and 1.9 / 2.6 ms.
+constexpr int64_t kGemvtPrefetchBelow = 16 * 1024;
 
 bool gemvt_task(const Task& t) { return t.b_sn == 1 && t.b_sk != 1 && t.m <= kGemvRows; }
 
@@ -306,7 +313,7 @@ bool gemvt_task(const Task& t) { return t.b_sn == 1 && t.b_sk != 1 && t.m <= kGe
 // once per KB rows; each element still sums its k in order (one fma per row, in registers).
 template <Dt D, int R, int KB>
 inline void gemvt_rows_into(const Task& t, const float* ap, int64_t lda, const typename Ty<D>::T* b, int64_t k0,
-                            int64_t nc, float* y, int64_t ldy) {
+                            int64_t nc, float* y, int64_t ldy, bool prefetch) {
   using T = typename Ty<D>::T;
   const int64_t nv = ceil_div(nc, 16);
   const T* row[KB];
@@ -319,7 +326,7 @@ inline void gemvt_rows_into(const Task& t, const float* ap, int64_t lda, const t
   }
   const char* ahead = (const char*)(b + (k0 + KB + kGemvtAheadRows) * t.b_sk);  // a prefetch never faults
   for (int64_t j = 0; j < nv; ++j) {
-    if ((j * 16 * (int64_t)sizeof(T)) % 64 == 0) {
+    if (prefetch && (j * 16 * (int64_t)sizeof(T)) % 64 == 0) {
 #pragma GCC unroll 4
       for (int q = 0; q < KB; ++q) _mm_prefetch(ahead + q * t.b_sk * (int64_t)sizeof(T) + j * 16 * sizeof(T), _MM_HINT_T0);
     }
@@ -343,9 +350,10 @@ void gemvt_chunk(const Task& t, const float* ap, int64_t lda, int64_t n0, int64_
   const int64_t ldy = round_up(nc, 16);
   for (int64_t i = 0; i < R * ldy; i += 16) _mm512_store_ps(y + i, _mm512_setzero_ps());
   const auto* b = (const typename Ty<D>::T*)t.b + n0 * t.b_sn;
+  const bool prefetch = nc * (int64_t)sizeof(typename Ty<D>::T) < kGemvtPrefetchBelow;
   int64_t k = 0;
-  for (; k + 4 <= t.k; k += 4) gemvt_rows_into<D, R, 4>(t, ap, lda, b, k, nc, y, ldy);
-  for (; k < t.k; ++k) gemvt_rows_into<D, R, 1>(t, ap, lda, b, k, nc, y, ldy);
+  for (; k + 4 <= t.k; k += 4) gemvt_rows_into<D, R, 4>(t, ap, lda, b, k, nc, y, ldy, prefetch);
+  for (; k < t.k; ++k) gemvt_rows_into<D, R, 1>(t, ap, lda, b, k, nc, y, ldy, prefetch);
 }
 
 template <Dt D, Dt O, int R>
