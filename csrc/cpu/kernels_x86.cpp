@@ -146,6 +146,19 @@ template <> inline void store16_f32<Dt::f16>(uint16_t* p, __m512 v, __mmask16 m)
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// Sixteen fp32 values as dtype O to p, elements sn apart, the first `count` of them: one masked
+// vector store where the row is contiguous, else one element at a time.
+template <Dt O>
+inline void put16_f32(typename Ty<O>::T* p, int64_t sn, __m512 v, int64_t count) {
+  if (sn == 1) {
+    store16_f32<O>(p, v, mask16(count));
+    return;
+  }
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int64_t x = 0; x < imin(16, count); ++x) Ty<O>::put(p + x * sn, tmp[x]);
+}
+
 // In-register transpose of a 16x16 block of 32-bit lanes: r[i] lane j <- r[j] lane i.
 inline void transpose16(__m512 r[16]) {
   __m512 t[16];
@@ -208,7 +221,7 @@ constexpr int64_t kGemvRows = 4;
 constexpr int64_t kGemvAmxMinK = 4096;  // see amx_item
 
 template <Dt D, Dt O, int R, int NJ>
-inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t n, const float* bias) {
+inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t n, const float* bias) {
   using T = typename Ty<D>::T;
   const int64_t K = t.k;
   const T* w = (const T*)t.b + n * t.b_sn;
@@ -225,7 +238,7 @@ inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t n
     for (int j = 0; j < NJ; ++j) wv[j] = load16_f32<D>(w + j * t.b_sn + k, km);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_load_ps(ap + r * round_up(K, 16) + k);
+      const __m512 av = _mm512_load_ps(ap + r * lda + k);
 #pragma GCC unroll 4
       for (int j = 0; j < NJ; ++j) acc[j][r] = _mm512_fmadd_ps(wv[j], av, acc[j][r]);
     }
@@ -240,16 +253,16 @@ inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t n
 }
 
 template <Dt D, Dt O, int R>
-void gemv_rows(const Task& t, const Item& it, const float* ap) {
+void gemv_rows(const Task& t, const Item& it, const float* ap, int64_t lda) {
   alignas(64) float bias[16];
   for (int64_t n = it.n0; n < it.n1;) {
     if (it.n1 - n >= 4) {
       load_bias<D>(t, n, 4, bias, 16);
-      gemv_block<D, O, R, 4>(t, it, ap, n, bias);
+      gemv_block<D, O, R, 4>(t, it, ap, lda, n, bias);
       n += 4;
     } else {
       load_bias<D>(t, n, 1, bias, 16);
-      gemv_block<D, O, R, 1>(t, it, ap, n, bias);
+      gemv_block<D, O, R, 1>(t, it, ap, lda, n, bias);
       n += 1;
     }
   }
@@ -272,10 +285,10 @@ void gemv_item(const Task& t, const Item& it, void* ws) {
   const int64_t rows = it.m1 - it.m0, lda = round_up(t.k, 16);
   const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
   switch (rows) {
-    case 4: gemv_rows<D, O, 4>(t, it, ap); break;
-    case 3: gemv_rows<D, O, 3>(t, it, ap); break;
-    case 2: gemv_rows<D, O, 2>(t, it, ap); break;
-    default: gemv_rows<D, O, 1>(t, it, ap); break;
+    case 4: gemv_rows<D, O, 4>(t, it, ap, lda); break;
+    case 3: gemv_rows<D, O, 3>(t, it, ap, lda); break;
+    case 2: gemv_rows<D, O, 2>(t, it, ap, lda); break;
+    default: gemv_rows<D, O, 1>(t, it, ap, lda); break;
   }
 }
 
@@ -292,8 +305,8 @@ void gemv_item(const Task& t, const Item& it, void* ws) {
 // weights): fp32 Qwen3-30B-A3B / OLMoE / GPT-OSS-20B / Mixtral 2.8-3.1 / 3.5-3.8 / 8.4-9.4 / -
 // ms with the blocked kernel, 1.7-1.8 / 2.0-2.1 / 4.2-4.5 / 15.4-15.9 ms with this (Mixtral with
 // kGemvtPrefetchBelow), torch._grouped_mm 2.0 / 2.5 / 4.4 / 15.4-15.8 ms; bf16 0.9-1.0 / 1.1 /
-// 2.2-2.6 / 8.3-8.7 ms against 1.6-1.8 / 2.1-2.5 /
-// 4.2-4.8 / 12.3 ms on the tiles and torch._grouped_mm 2.1-2.2 / 3.0 / 6.5-6.7 / 24 ms. One row
+// 2.2-2.6 / 8.3-8.7 ms against 1.6-1.8 / 2.1-2.5 / 4.2-4.8 / 12.3 ms on the tiles and
+// torch._grouped_mm 2.1-2.2 / 3.0 / 6.5-6.7 / 24 ms. One row
 // per pass with y read and written per row instead: fp32 Mixtral 23 ms, GPT-OSS 5.0-5.3 ms;
 // register strips of 256 columns per pass over K (1 KiB runs per row): GPT-OSS 6.6 ms; items cut
 // for 8 per thread: 5.4-5.8 ms; eight rows side by side: Mixtral 18.8 ms. G=64 / G=256 prefill
@@ -364,19 +377,11 @@ void gemvt_rows(const Task& t, const Item& it, const float* ap, int64_t lda, flo
     const int64_t nc = imin(kGemvtCols, it.n1 - n0), ldy = round_up(nc, 16);
     gemvt_chunk<D, R>(t, ap, lda, n0, nc, y);
     for (int64_t j = 0; j < nc; j += 16) {
-      const __mmask16 cm = mask16(nc - j);
       load_bias<D>(t, n0 + j, imin(16, nc - j), bias, 16);
       const __m512 bv = _mm512_load_ps(bias);
       for (int64_t r = 0; r < R; ++r) {
         TO* c = (TO*)t.c + (it.m0 + r) * t.c_sm + (n0 + j) * t.c_sn;
-        const __m512 v = _mm512_add_ps(_mm512_load_ps(y + r * ldy + j), bv);
-        if (t.c_sn == 1) {
-          store16_f32<O>(c, v, cm);
-        } else {
-          alignas(64) float tmp[16];
-          _mm512_store_ps(tmp, v);
-          for (int64_t x = 0; x < imin(16, nc - j); ++x) Ty<O>::put(c + x * t.c_sn, tmp[x]);
-        }
+        put16_f32<O>(c, t.c_sn, _mm512_add_ps(_mm512_load_ps(y + r * ldy + j), bv), nc - j);
       }
     }
   }
@@ -620,12 +625,8 @@ void store_block(const Task& t, int64_t row0, int64_t col0, const float* blk, in
       __m512 v = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb + j), _mm512_loadu_ps(bias + j));
       if (O == Dt::f32 && stream_f32x16(t, crow + j, cols - j)) {
         _mm512_stream_ps((float*)(crow + j), v);
-      } else if (t.c_sn == 1) {
-        store16_f32<O>(crow + j, v, mask16(cols - j));
       } else {
-        float tmp[16];
-        _mm512_storeu_ps(tmp, v);
-        for (int64_t x = 0; x < imin(16, cols - j); ++x) Ty<O>::put(crow + (j + x) * t.c_sn, tmp[x]);
+        put16_f32<O>(crow + j * t.c_sn, t.c_sn, v, cols - j);
       }
     }
   }
@@ -675,12 +676,8 @@ void store_block_transposed(const Task& t, int64_t row0, int64_t col0, const flo
         TO* crow = c + (row0 + j0 + j) * t.c_sm + (col0 + i0) * t.c_sn;
         if (O == Dt::bf16 && t.c_sn == 1) {
           _mm256_mask_storeu_epi16(crow, cm, f32_to_bf16x16_amx(v));
-        } else if (t.c_sn == 1) {
-          store16_f32<O>(crow, v, cm);
         } else {
-          float tmp[16];
-          _mm512_storeu_ps(tmp, v);
-          for (int64_t x = 0; x < imin(16, cols - i0); ++x) Ty<O>::put(crow + x * t.c_sn, tmp[x]);
+          put16_f32<O>(crow, t.c_sn, v, cols - i0);
         }
       }
     }
@@ -1098,12 +1095,8 @@ inline void fma_store(const Task& t, int64_t row0, int64_t col0, int64_t nc, __m
       const __m512 v = _mm512_add_ps(acc[i][j], _mm512_load_ps(bias + 16 * j));
       if (O == Dt::f32 && stream_f32x16(t, crow + 16 * j, nc - 16 * j)) {
         _mm512_stream_ps((float*)(crow + 16 * j), v);
-      } else if (t.c_sn == 1) {
-        store16_f32<O>(crow + 16 * j, v, mask16(nc - 16 * j));
       } else {
-        alignas(64) float tmp[16];
-        _mm512_store_ps(tmp, v);
-        for (int64_t x = 0; x < imin(16, nc - 16 * j); ++x) Ty<O>::put(crow + (16 * j + x) * t.c_sn, tmp[x]);
+        put16_f32<O>(crow + 16 * j * t.c_sn, t.c_sn, v, nc - 16 * j);
       }
     }
   }
