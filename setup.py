@@ -75,6 +75,7 @@ def _not_built(ext, e: Exception) -> None:
     print(f"moe_ops: WARNING: {ext.name} was not built ({type(e).__name__}: {e}); {FALLBACK[ext.name]}",
           file=sys.stderr)
 
+
 ext_modules, cmdclass = _extensions()
 
 setup(

@@ -476,12 +476,6 @@ std::string machine() { return isa_name(machine_isa()); }
 
 std::vector<int64_t> cache_info() { return {cache_cached_bytes(), cache_limit_bytes()}; }
 
-}  // namespace
-}  // namespace moe_cpu
-
-namespace moe_cpu {
-namespace {
-
 // The ops, registered by PyInit__cpu once the torch version is checked (not by static
 // TORCH_LIBRARY initialisers, which would run at dlopen, before any check). Never deleted: the
 // dispatcher may be gone by the time static destructors run.
