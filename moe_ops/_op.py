@@ -8,7 +8,8 @@ Registration (measured on torch 2.13, see README "Design"), all through one
 * the Autograd kernel writes both gradients as calls of the op itself, so the backward runs on
   the same native kernels as the forward. It is the C++ one of ``moe_ops._autograd``
   (csrc/autograd) when that module loads, else ``_autograd_kernel`` below (an
-  ``autograd.Function``) with the same formulas; ``use_autograd`` switches, the tests run both;
+  ``autograd.Function``) with the same formulas; ``use_autograd`` switches, the tests run both.
+  Both set the forward-mode tangent (dual tensors); torch.func transforms need the C++ one;
 * an Autocast kernel per autocast key casts the floating inputs to the autocast dtype, as torch
   does for its matmuls;
 * device kernels are added per dispatch key through ``register_device_kernel`` (one file per
@@ -24,6 +25,7 @@ import threading
 from typing import Callable
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 from . import _contract, reference
 from ._contract import LAYOUT_2D2D, LAYOUT_2D3D, LAYOUT_3D2D, LAYOUT_3D3D
@@ -234,28 +236,70 @@ class _GroupedMM(torch.autograd.Function):
     dispatch key set the Autograd kernel was called with; the forward continues below Autograd."""
 
     @staticmethod
-    def forward(ctx, mat_a, mat_b, offs, bias, out_dtype, keyset):
-        out = _below_autograd(keyset, mat_a, mat_b, offs, bias, out_dtype)
+    def forward(mat_a, mat_b, offs, bias, out_dtype, keyset):
+        return _below_autograd(keyset, mat_a, mat_b, offs, bias, out_dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        mat_a, mat_b, offs, bias, out_dtype, _ = inputs
         ctx.layout = _contract.layout_of(mat_a, mat_b)  # the op has checked the arguments
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.dtype = mat_a.dtype
+        ctx.out_dtype = out_dtype
         # Only what the requested gradients read: d mat_a needs mat_b, d mat_b needs mat_a.
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.save_for_backward(mat_a if need_b else None, mat_b if need_a else None, offs)
-        ctx.dtype = mat_a.dtype
-        return out
+        ctx.save_for_forward(mat_a, mat_b, offs)
 
     @staticmethod
     def backward(ctx, grad):
         return (*_backward(ctx, grad), None)
 
+    @staticmethod
+    def jvp(ctx, t_a, t_b, _offs, t_bias, _out_dtype, _keyset):
+        return _jvp(ctx, t_a, t_b, t_bias)
+
+
+def _jvp(ctx, t_a, t_b, t_bias):
+    """The tangent of the output, given those of mat_a, mat_b and bias (None: zero). The op is
+    bilinear in (mat_a, mat_b) and adds bias per group, so the tangent is
+    op(t_a, b, bias=t_bias) + op(a, t_b): the bias tangent lands on exactly the rows the bias
+    does. bf16/fp16 sum the two terms in fp32 and round once."""
+    mat_a, mat_b, offs = ctx.saved_tensors
+    op = torch.ops.moe.grouped_mm
+    out_dtype = ctx.out_dtype or ctx.dtype
+    acc = torch.float32 if ctx.dtype in (torch.bfloat16, torch.float16) else None
+    if t_a is None and t_bias is not None:
+        t_a = torch.zeros_like(mat_a)
+    terms = []
+    if t_a is not None:
+        terms.append(op(t_a, mat_b, offs, t_bias, acc))
+    if t_b is not None:
+        terms.append(op(mat_a, t_b, offs, None, acc))
+    tangent = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    return tangent.to(out_dtype)
+
 
 def _autograd_kernel(keyset, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    if torch.is_grad_enabled() and (
+    grad = torch.is_grad_enabled() and (
         mat_a.requires_grad or mat_b.requires_grad or (bias is not None and bias.requires_grad)
-    ):
+    )
+    if grad or (_fwAD._current_level >= 0 and _has_tangent(mat_a, mat_b, bias)):
+        if torch._C._are_functorch_transforms_active():
+            # Reached from inside the dispatcher, an autograd.Function cannot take functorch's
+            # route for it (custom_function_call has no kernel at the Autograd keys).
+            raise NotImplementedError(
+                "moe::grouped_mm under torch.func transforms (grad, vjp, jvp, jacrev, ...) needs the "
+                f"op's C++ Autograd kernel, and the Python one is registered: {autograd_status()}"
+            )
         return _GroupedMM.apply(mat_a, mat_b, offs, bias, out_dtype, keyset)
     return _below_autograd(keyset, mat_a, mat_b, offs, bias, out_dtype)
+
+
+def _has_tangent(*tensors) -> bool:
+    """Whether a tensor carries a forward-mode tangent at the current dual level."""
+    return any(t is not None and _fwAD.unpack_dual(t).tangent is not None for t in tensors)
 
 
 class _Autograd:
@@ -300,10 +344,12 @@ def use_autograd(kind: str) -> None:
 
 
 def autograd_status() -> str:
-    """Which Autograd kernel the op has, and why not the C++ one when it has the Python one."""
+    """Which Autograd kernel the op has, what it supports, and why not the C++ one when it has
+    the Python one."""
     if _Autograd.active == "cpp":
-        return "C++ (moe_ops._autograd)"
-    return f"Python ({_Autograd.why_not_cpp or 'selected with use_autograd'})"
+        return "C++ (moe_ops._autograd): reverse and forward mode, torch.func transforms"
+    why = _Autograd.why_not_cpp or "selected with use_autograd"
+    return f"Python ({why}): reverse and forward mode, no torch.func transforms"
 
 
 try:

@@ -1,0 +1,219 @@
+"""Forward-mode AD and torch.func transforms.
+
+Categories:
+* forward-mode AD (dual tensors): gradcheck with check_forward_ad and gradgradcheck with
+  check_fwd_over_rev in float64 on every layout, for both Autograd kernels; bf16 tangents against
+  the float64 oracle's within the shared tolerance;
+* torch.func with the C++ Autograd kernel: grad, vjp, jvp (every subset of tangents), jacfwd
+  against jacrev, hessian, vmap(grad) per-sample gradients, all against the same transforms of
+  the independent oracle (tests/oracle.py, ATen ops only); the gradients under torch.func run on
+  the op's own kernels; torch.func.functional_call through the example MoE layer;
+* with the Python Autograd kernel, torch.func's differentiating transforms raise a clear error
+  (an autograd.Function cannot take functorch's route from inside the dispatcher), and vmap
+  without gradients still works.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import warnings
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+
+import moe_ops
+from moe_ops.testing import assert_close
+from oracle import oracle
+
+f64 = torch.float64
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# (layout, bias): every layout; bias where the contract allows it.
+CASES = [("2d3d", False), ("2d3d", True), ("2d2d", False), ("3d3d", True), ("3d2d", False)]
+
+
+def _problem(layout, bias, dtype=f64, seed=0):
+    """Inputs with an empty group and an index past offs[-1]; mat_b a transposed view for 2d3d."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=f64).to(dtype)  # noqa: E731
+    G, M, K, N = 3, 7, 5, 4
+    if layout == "2d3d":
+        a, b, offs = r(M, K), r(G, N, K).transpose(1, 2), torch.tensor([2, 2, 6])
+    elif layout == "2d2d":
+        a, b, offs = r(M, K), r(K, N), torch.tensor([0, 3, 4])
+    elif layout == "3d3d":
+        a, b, offs = r(G, M, K), r(G, K, N), None
+    else:
+        a, b, offs = r(G, M, K), r(K, N), torch.tensor([1, 1, 3])
+    args = (a, b, r(G, N)) if bias else (a, b)
+    return args, offs
+
+
+def _fns(offs, bias):
+    """The op and the oracle as functions of (mat_a, mat_b[, bias])."""
+    def op(a, b, *c):
+        return moe_ops.grouped_mm(a, b, offs, c[0] if bias else None)
+
+    def ref(a, b, *c):
+        return oracle(a, b, offs, c[0] if bias else None)
+
+    return op, ref
+
+
+def _close(got, want):
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("layout,bias", CASES)
+def test_forward_ad_gradcheck(autograd_kernel, layout, bias):
+    args, offs = _problem(layout, bias)
+    op, _ = _fns(offs, bias)
+    leaves = [t.detach().requires_grad_() for t in args]
+    assert torch.autograd.gradcheck(op, leaves, check_forward_ad=True, check_backward_ad=True)
+
+
+@pytest.mark.parametrize("layout,bias", [("2d3d", True), ("2d2d", False), ("3d2d", False)])
+def test_forward_over_reverse_gradgradcheck(autograd_kernel, layout, bias):
+    args, offs = _problem(layout, bias)
+    op, _ = _fns(offs, bias)
+    leaves = [t.detach().requires_grad_() for t in args]
+    assert torch.autograd.gradgradcheck(op, leaves, check_fwd_over_rev=True)
+
+
+@pytest.mark.parametrize("layout,bias", [("2d3d", True), ("3d3d", True), ("2d2d", False)])
+def test_bf16_tangent_within_tolerance(autograd_kernel, layout, bias):
+    """bf16 inputs, fp32 output: the tangent against the float64 oracle's, rounded once."""
+    args, offs = _problem(layout, bias, dtype=torch.bfloat16, seed=2)
+    tangents, _ = _problem(layout, bias, dtype=torch.bfloat16, seed=3)
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(p, t) for p, t in zip(args, tangents)]
+        out = moe_ops.grouped_mm(duals[0], duals[1], offs, duals[2] if bias else None, out_dtype=torch.float32)
+        got = fwAD.unpack_dual(out).tangent
+    assert got is not None and got.dtype == torch.float32
+    _, ref = _fns(offs, bias)
+    up = [t.double() for t in args]
+    want = jvp(ref, tuple(up), tuple(t.double() for t in tangents))[1]
+    magnitude = jvp(ref, tuple(p.abs() for p in up), tuple(t.double().abs() for t in tangents))[1]
+    assert_close(got, want, want.float(), magnitude, what="tangent")
+
+
+def test_tangent_without_grad_mode_and_with_grad(autograd_kernel):
+    """A dual input with and without requires_grad: the tangent is the same, and the reverse
+    gradient of the dual computation is the plain one."""
+    (a, b, c), offs = _problem("2d3d", True)
+    t = torch.randn_like(a)
+    op, ref = _fns(offs, True)
+    want = jvp(lambda x: ref(x, b, c), (a,), (t,))[1]
+    with fwAD.dual_level():
+        _close(fwAD.unpack_dual(op(fwAD.make_dual(a, t), b, c)).tangent, want)
+        leaf = a.clone().requires_grad_()
+        out = op(fwAD.make_dual(leaf, t), b, c)
+        _close(fwAD.unpack_dual(out).tangent, want)
+        out.pow(2).sum().backward()
+    plain = a.clone().requires_grad_()
+    op(plain, b, c).pow(2).sum().backward()
+    _close(leaf.grad, plain.grad)
+
+
+@pytest.mark.parametrize("layout,bias", CASES)
+def test_func_grad_and_vjp(cpp_autograd, layout, bias):
+    args, offs = _problem(layout, bias)
+    op, ref = _fns(offs, bias)
+    argnums = tuple(range(len(args)))
+    loss = lambda f: lambda *x: f(*x).sin().sum()  # noqa: E731
+    _close(grad(loss(op), argnums=argnums)(*args), grad(loss(ref), argnums=argnums)(*args))
+    cot = torch.randn(op(*args).shape, dtype=f64)
+    _close(vjp(op, *args)[1](cot), vjp(ref, *args)[1](cot))
+
+
+@pytest.mark.parametrize("layout,bias", CASES)
+def test_func_jvp_every_subset_of_tangents(cpp_autograd, layout, bias):
+    args, offs = _problem(layout, bias)
+    tangents, _ = _problem(layout, bias, seed=1)
+    op, ref = _fns(offs, bias)
+    for mask in range(1, 2 ** len(args)):
+        which = [i for i in range(len(args)) if mask >> i & 1]
+
+        def restrict(f):
+            def g(*xs):
+                full = list(args)
+                for i, x in zip(which, xs):
+                    full[i] = x
+                return f(*full)
+            return g
+
+        primals, tans = tuple(args[i] for i in which), tuple(tangents[i] for i in which)
+        out, tangent = jvp(restrict(op), primals, tans)
+        want_out, want = jvp(restrict(ref), primals, tans)
+        _close((out, tangent), (want_out, want))
+
+
+@pytest.mark.parametrize("layout,bias", [("2d3d", True), ("2d2d", False), ("3d2d", False)])
+def test_func_jacobians_and_hessian(cpp_autograd, layout, bias):
+    args, offs = _problem(layout, bias)
+    op, ref = _fns(offs, bias)
+    want = jacrev(ref, argnums=1)(*args)
+    _close(jacfwd(op, argnums=1)(*args), want)
+    _close(jacrev(op, argnums=1)(*args), want)
+    quartic = lambda f: lambda x: f(x, *args[1:]).pow(2).sum()  # noqa: E731
+    _close(hessian(quartic(op))(args[0]), hessian(quartic(ref))(args[0]))
+
+
+def test_func_per_sample_gradients(cpp_autograd):
+    """vmap(grad): the weight gradient of every sample of a batch at once."""
+    (a, b, c), offs = _problem("2d3d", True)
+    batch = torch.randn(4, *a.shape, dtype=f64)
+    op, ref = _fns(offs, True)
+    loss = lambda f: lambda x, w: f(x, w, c).pow(2).sum()  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's per-example loop for ops without a batching rule
+        got = vmap(grad(loss(op), argnums=1), in_dims=(0, None))(batch, b)
+    want = torch.stack([grad(loss(ref), argnums=1)(x, b) for x in batch])
+    _close(got, want)
+
+
+def test_func_gradients_run_on_the_op(cpp_autograd):
+    """Under torch.func.grad the forward and the three gradients are calls of the op."""
+    (a, b, c), offs = _problem("2d3d", True)
+    op, _ = _fns(offs, True)
+    moe_ops.reset_kernel_counts()
+    grad(lambda *x: op(*x).sum(), argnums=(0, 1, 2))(a, b, c)
+    assert sum(moe_ops.kernel_counts().values()) == 4
+
+
+def test_func_functional_call_through_the_example_layer(cpp_autograd):
+    spec = importlib.util.spec_from_file_location("moe_layer", ROOT / "examples" / "moe_layer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    layer = example.MoEFeedForward(d_model=16, d_ff=24, n_experts=4, top_k=2).double()
+    x = torch.randn(10, 16, dtype=f64)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    got = grad(lambda p: torch.func.functional_call(layer, p, (x,)).pow(2).sum())(params)
+    layer.zero_grad()
+    layer(x).pow(2).sum().backward()
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_python_kernel_refuses_func_transforms_clearly():
+    """With the Python Autograd kernel, differentiating transforms raise; vmap alone runs."""
+    before = moe_ops._op._Autograd.active
+    moe_ops._op.use_autograd("python")
+    try:
+        (a, b, c), offs = _problem("2d3d", True)
+        op, ref = _fns(offs, True)
+        with pytest.raises(NotImplementedError, match="needs the op's C\\+\\+ Autograd kernel"):
+            grad(lambda x: op(x, b, c).sum())(a)
+        with pytest.raises(NotImplementedError, match="needs the op's C\\+\\+ Autograd kernel"):
+            jvp(lambda x: op(x, b, c), (a,), (a,))
+        batch = torch.randn(3, *a.shape, dtype=f64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _close(vmap(lambda x: op(x, b, c))(batch), torch.stack([ref(x, b, c) for x in batch]))
+    finally:
+        moe_ops._op.use_autograd(before)
