@@ -7,7 +7,8 @@ Categories:
 * torch.func with the C++ Autograd kernel: grad, vjp, jvp (every subset of tangents), jacfwd
   against jacrev, hessian, vmap(grad) per-sample gradients, all against the same transforms of
   the independent oracle (tests/oracle.py, ATen ops only); the gradients under torch.func run on
-  the op's own kernels; torch.func.functional_call through the example MoE layer;
+  the op's own kernels; torch.func.functional_call through the example MoE layer; torch.compile
+  over grad and jvp;
 * with the Python Autograd kernel, torch.func's differentiating transforms raise a clear error
   (an autograd.Function cannot take functorch's route from inside the dispatcher), and vmap
   without gradients still works.
@@ -217,3 +218,16 @@ def test_python_kernel_refuses_func_transforms_clearly():
             _close(vmap(lambda x: op(x, b, c))(batch), torch.stack([ref(x, b, c) for x in batch]))
     finally:
         moe_ops._op.use_autograd(before)
+
+
+def test_compiled_func_grad_and_jvp(cpp_autograd):
+    """torch.compile over torch.func.grad and torch.func.jvp of the op."""
+    torch._dynamo.reset()
+    (a, b), offs = _problem("2d3d", False)
+    op, ref = _fns(offs, False)
+    loss = lambda f: lambda *x: f(*x).sin().sum()  # noqa: E731
+    got = torch.compile(grad(loss(op), argnums=(0, 1)))(a, b)
+    _close(got, grad(loss(ref), argnums=(0, 1))(a, b))
+    t = torch.randn_like(a)
+    tangent = lambda f: lambda x, w: jvp(lambda y: f(y, w), (x,), (t,))[1]  # noqa: E731
+    _close(torch.compile(tangent(op))(a, b), tangent(ref)(a, b))
