@@ -7,6 +7,7 @@ Categories:
   backward, the AOT forward and backward graphs call moe.grouped_mm (no decomposition), and
   the device kernel registered for CPU is the one that runs;
 * compiled autograd (the backward traced by dynamo too);
+* torch.export with a dynamic token count, and an AOTInductor package of it;
 * which dispatch keys have kernels; the C++ Autograd kernel's module loads only under the torch
   it was built against.
 
@@ -15,6 +16,8 @@ With grad, opcheck and the compile test run against both Autograd kernels of the
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 import subprocess
 import sys
 
@@ -27,6 +30,7 @@ from torch._dynamo.utils import counters
 import moe_ops
 from moe_ops import _op, backends
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -159,6 +163,29 @@ def test_compiled_autograd(autograd_kernel):
     assert counters["compiled_autograd"]["captures"] == captures + 1  # the backward was traced
     torch.testing.assert_close(x.grad, want[0])
     torch.testing.assert_close(w.grad, want[1])
+
+
+def test_export_and_aot_inductor(cpu_kernel, tmp_path):
+    """torch.export of the example MoE layer with a dynamic token count keeps the op (one node
+    per call), and an AOTInductor package built from it calls the op's CPU kernel through the
+    dispatcher (AOTInductor's proxy executor) for a token count it was not traced with."""
+    spec = importlib.util.spec_from_file_location("moe_layer", ROOT / "examples" / "moe_layer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    layer = example.MoEFeedForward(d_model=16, d_ff=24, n_experts=4, top_k=2).eval()
+    tokens = torch.export.Dim("tokens", min=2, max=4096)
+    ep = torch.export.export(layer, (torch.randn(10, 16),), dynamic_shapes=({0: tokens},))
+    assert sum(n.target == torch.ops.moe.grouped_mm.default for n in ep.graph.nodes) == 2
+    x = torch.randn(33, 16)
+    with torch.no_grad():
+        want = layer(x)
+    torch.testing.assert_close(ep.module()(x), want)
+    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "moe.pt2"))
+    runner = torch._inductor.aoti_load_package(package)
+    moe_ops.reset_kernel_counts()
+    torch.testing.assert_close(runner(x), want)
+    assert moe_ops.kernel_counts() == {cpu_kernel: 2}
 
 
 def test_dispatch_table():
