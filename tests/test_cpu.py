@@ -13,6 +13,7 @@ Categories:
 * the output cache: freed large outputs' blocks are reused, bounded, released on request, seen
   by the memory profiler, safe across fork(), and a reused block (written with non-temporal
   stores) is overwritten completely;
+* Python threads calling the op at once get the serial results, bit for bit;
 * without the compiled module (or with one built against another torch) the package still
   works, says why, and uses the reference;
 * smoke runs of the benchmark scripts (no timing assertions).
@@ -23,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -511,6 +514,69 @@ def test_output_cache_off_with_a_zero_limit():
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[-2] == "[0, 0]", res.stdout
+
+
+def _thread_problems():
+    """Calls that take every CPU path at once: AMX column-slice items with an output from the
+    cache (8 MiB), fp32 FMA items, a weight gradient of 32 MiB (cache, streaming stores), decode
+    groups (dot products), fp16 / fp64 items, and a forward + backward through autograd."""
+    gen = torch.Generator().manual_seed(7)
+    r = lambda *s, dtype=torch.bfloat16: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    offs = lambda ends: torch.tensor(ends)  # noqa: E731
+    x_grad, w_grad = r(1024, 256, dtype=torch.float32), r(4, 128, 256, dtype=torch.float32)
+
+    def fwd_bwd():
+        x, w = x_grad.clone().requires_grad_(), w_grad.clone().requires_grad_()
+        y = moe_ops.grouped_mm(x, w.transpose(1, 2), offs([200, 500, 500, 1000]))
+        return (y, *torch.autograd.grad(y, (x, w), torch.ones_like(y)))
+
+    calls = {
+        "amx": (r(4096, 256), r(4, 1024, 256).transpose(1, 2), offs([1500, 2000, 3900, 4096])),
+        "fma": (r(1024, 512, dtype=torch.float32), r(8, 512, 512, dtype=torch.float32).transpose(1, 2),
+                offs([128 * (g + 1) for g in range(8)])),
+        "wgrad": (r(2048, 512).t(), r(2048, 1024), offs([128 * (g + 1) for g in range(16)]), None, torch.float32),
+        "decode": (r(4, 2048), r(4, 1024, 2048).transpose(1, 2), offs([1, 2, 3, 4])),
+        "fp16": (r(300, 64, dtype=torch.float16), r(3, 64, 96, dtype=torch.float16), offs([0, 120, 290])),
+        "fp64": (r(4, 33, 17, dtype=torch.float64), r(4, 17, 9, dtype=torch.float64)),
+    }
+    fns = {name: (lambda args=args: (moe_ops.grouped_mm(*args),)) for name, args in calls.items()}
+    fns["fwd_bwd"] = fwd_bwd
+    return fns
+
+
+def test_python_threads_calling_at_once_get_the_serial_results():
+    """Four Python threads call the op at once (the GIL is released inside the kernel), each its
+    own order of the calls, several rounds, keeping their results alive: every result is bit
+    for bit the one of a serial call, also once all threads have finished (no block of the
+    output cache or scratch memory handed to two callers)."""
+    fns = _thread_problems()
+    want = {name: fn() for name, fn in fns.items()}
+    errors, kept = [], []
+
+    def worker(seed):
+        order = list(fns)
+        rng = random.Random(seed)
+        results = []
+        try:
+            for _ in range(4):
+                rng.shuffle(order)
+                for name in order:
+                    got = fns[name]()
+                    results.append((name, got))
+                    if not all(torch.equal(g, w) for g, w in zip(got, want[name])):
+                        errors.append(f"thread {seed}: {name} differs from the serial result")
+            kept.extend(results[-2 * len(fns):])
+        except Exception as e:  # noqa: BLE001 - reported below, with the thread
+            errors.append(f"thread {seed}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for name, got in kept:
+        assert all(torch.equal(g, w) for g, w in zip(got, want[name])), f"{name} changed after the threads ended"
 
 
 def test_element_offsets_past_2_to_the_31(tmp_path):
