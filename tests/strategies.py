@@ -104,3 +104,20 @@ def cases(draw, layouts=LAYOUTS, dtypes=DTYPES, max_m=64, max_k=48, max_n=48, ma
         stride_a=draw(st.sampled_from(STRIDES)), stride_b=draw(st.sampled_from(STRIDES)),
         bias=bias, out_dtype=out_dtype, seed=draw(st.integers(0, 2**31 - 1)),
     )
+
+
+def small_problem(layout, dtype=torch.float64, bias=False, seed=0):
+    """A fixed small problem per layout for the autograd tests: ((mat_a, mat_b[, bias]), offs)
+    with an empty group and an index past offs[-1], mat_b a transposed view for 2d3d."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
+    G, M, K, N = 3, 7, 5, 4
+    if layout == "2d3d":
+        a, b, offs = r(M, K), r(G, N, K).transpose(1, 2), torch.tensor([2, 2, 6])
+    elif layout == "2d2d":
+        a, b, offs = r(M, K), r(K, N), torch.tensor([0, 3, 4])
+    elif layout == "3d3d":
+        a, b, offs = r(G, M, K), r(G, K, N), None
+    else:
+        a, b, offs = r(G, M, K), r(K, N), torch.tensor([1, 1, 3])
+    return ((a, b, r(G, N)) if bias else (a, b)), offs

@@ -20,6 +20,7 @@ import torch
 import moe_ops
 from moe_ops import _op
 from oracle import oracle
+from strategies import small_problem
 from moe_ops.testing import assert_close
 
 
@@ -29,21 +30,9 @@ f64 = torch.float64
 
 
 def _problem(layout, dtype=f64, bias=False, seed=0):
-    """Small problems with an empty group, a trailing row/column and a transposed mat_b."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=f64).to(dtype)  # noqa: E731
-    G, M, K, N = 3, 7, 5, 4
-    if layout == "2d3d":
-        a, b, offs = r(M, K), r(G, N, K).transpose(1, 2), torch.tensor([2, 2, 6])
-    elif layout == "2d2d":
-        a, b, offs = r(M, K), r(K, N), torch.tensor([0, 3, 4])
-    elif layout == "3d3d":
-        a, b, offs = r(G, M, K), r(G, K, N), None
-    else:
-        a, b, offs = r(G, M, K), r(K, N), torch.tensor([1, 1, 3])
-    bias_t = r(G, N) if bias else None
-    leaves = [t.detach().requires_grad_() for t in (a, b)] + ([bias_t.requires_grad_()] if bias else [])
-    return leaves, offs
+    """strategies.small_problem with leaves that require grad."""
+    args, offs = small_problem(layout, dtype, bias, seed)
+    return [t.detach().requires_grad_() for t in args], offs
 
 
 CASES = [("2d3d", False), ("2d3d", True), ("2d2d", False), ("3d3d", False), ("3d3d", True), ("3d2d", False)]

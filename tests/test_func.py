@@ -28,29 +28,13 @@ from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 import moe_ops
 from moe_ops.testing import assert_close
 from oracle import oracle
+from strategies import small_problem
 
 f64 = torch.float64
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # (layout, bias): every layout; bias where the contract allows it.
 CASES = [("2d3d", False), ("2d3d", True), ("2d2d", False), ("3d3d", True), ("3d2d", False)]
-
-
-def _problem(layout, bias, dtype=f64, seed=0):
-    """Inputs with an empty group and an index past offs[-1]; mat_b a transposed view for 2d3d."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=f64).to(dtype)  # noqa: E731
-    G, M, K, N = 3, 7, 5, 4
-    if layout == "2d3d":
-        a, b, offs = r(M, K), r(G, N, K).transpose(1, 2), torch.tensor([2, 2, 6])
-    elif layout == "2d2d":
-        a, b, offs = r(M, K), r(K, N), torch.tensor([0, 3, 4])
-    elif layout == "3d3d":
-        a, b, offs = r(G, M, K), r(G, K, N), None
-    else:
-        a, b, offs = r(G, M, K), r(K, N), torch.tensor([1, 1, 3])
-    args = (a, b, r(G, N)) if bias else (a, b)
-    return args, offs
 
 
 def _fns(offs, bias):
@@ -71,7 +55,7 @@ def _close(got, want):
 
 @pytest.mark.parametrize("layout,bias", CASES)
 def test_forward_ad_gradcheck(autograd_kernel, layout, bias):
-    args, offs = _problem(layout, bias)
+    args, offs = small_problem(layout, bias=bias)
     op, _ = _fns(offs, bias)
     leaves = [t.detach().requires_grad_() for t in args]
     assert torch.autograd.gradcheck(op, leaves, check_forward_ad=True, check_backward_ad=True)
@@ -79,7 +63,7 @@ def test_forward_ad_gradcheck(autograd_kernel, layout, bias):
 
 @pytest.mark.parametrize("layout,bias", [("2d3d", True), ("2d2d", False), ("3d2d", False)])
 def test_forward_over_reverse_gradgradcheck(autograd_kernel, layout, bias):
-    args, offs = _problem(layout, bias)
+    args, offs = small_problem(layout, bias=bias)
     op, _ = _fns(offs, bias)
     leaves = [t.detach().requires_grad_() for t in args]
     assert torch.autograd.gradgradcheck(op, leaves, check_fwd_over_rev=True)
@@ -88,8 +72,8 @@ def test_forward_over_reverse_gradgradcheck(autograd_kernel, layout, bias):
 @pytest.mark.parametrize("layout,bias", [("2d3d", True), ("3d3d", True), ("2d2d", False)])
 def test_bf16_tangent_within_tolerance(autograd_kernel, layout, bias):
     """bf16 inputs, fp32 output: the tangent against the float64 oracle's, rounded once."""
-    args, offs = _problem(layout, bias, dtype=torch.bfloat16, seed=2)
-    tangents, _ = _problem(layout, bias, dtype=torch.bfloat16, seed=3)
+    args, offs = small_problem(layout, bias=bias, dtype=torch.bfloat16, seed=2)
+    tangents, _ = small_problem(layout, bias=bias, dtype=torch.bfloat16, seed=3)
     with fwAD.dual_level():
         duals = [fwAD.make_dual(p, t) for p, t in zip(args, tangents)]
         out = moe_ops.grouped_mm(duals[0], duals[1], offs, duals[2] if bias else None, out_dtype=torch.float32)
@@ -105,7 +89,7 @@ def test_bf16_tangent_within_tolerance(autograd_kernel, layout, bias):
 def test_tangent_without_grad_mode_and_with_grad(autograd_kernel):
     """A dual input with and without requires_grad: the tangent is the same, and the reverse
     gradient of the dual computation is the plain one."""
-    (a, b, c), offs = _problem("2d3d", True)
+    (a, b, c), offs = small_problem("2d3d", bias=True)
     t = torch.randn_like(a)
     op, ref = _fns(offs, True)
     want = jvp(lambda x: ref(x, b, c), (a,), (t,))[1]
@@ -122,7 +106,7 @@ def test_tangent_without_grad_mode_and_with_grad(autograd_kernel):
 
 @pytest.mark.parametrize("layout,bias", CASES)
 def test_func_grad_and_vjp(cpp_autograd, layout, bias):
-    args, offs = _problem(layout, bias)
+    args, offs = small_problem(layout, bias=bias)
     op, ref = _fns(offs, bias)
     argnums = tuple(range(len(args)))
     loss = lambda f: lambda *x: f(*x).sin().sum()  # noqa: E731
@@ -133,8 +117,8 @@ def test_func_grad_and_vjp(cpp_autograd, layout, bias):
 
 @pytest.mark.parametrize("layout,bias", CASES)
 def test_func_jvp_every_subset_of_tangents(cpp_autograd, layout, bias):
-    args, offs = _problem(layout, bias)
-    tangents, _ = _problem(layout, bias, seed=1)
+    args, offs = small_problem(layout, bias=bias)
+    tangents, _ = small_problem(layout, bias=bias, seed=1)
     op, ref = _fns(offs, bias)
     for mask in range(1, 2 ** len(args)):
         which = [i for i in range(len(args)) if mask >> i & 1]
@@ -155,7 +139,7 @@ def test_func_jvp_every_subset_of_tangents(cpp_autograd, layout, bias):
 
 @pytest.mark.parametrize("layout,bias", [("2d3d", True), ("2d2d", False), ("3d2d", False)])
 def test_func_jacobians_and_hessian(cpp_autograd, layout, bias):
-    args, offs = _problem(layout, bias)
+    args, offs = small_problem(layout, bias=bias)
     op, ref = _fns(offs, bias)
     want = jacrev(ref, argnums=1)(*args)
     _close(jacfwd(op, argnums=1)(*args), want)
@@ -166,7 +150,7 @@ def test_func_jacobians_and_hessian(cpp_autograd, layout, bias):
 
 def test_func_per_sample_gradients(cpp_autograd):
     """vmap(grad): the weight gradient of every sample of a batch at once."""
-    (a, b, c), offs = _problem("2d3d", True)
+    (a, b, c), offs = small_problem("2d3d", bias=True)
     batch = torch.randn(4, *a.shape, dtype=f64)
     op, ref = _fns(offs, True)
     loss = lambda f: lambda x, w: f(x, w, c).pow(2).sum()  # noqa: E731
@@ -179,7 +163,7 @@ def test_func_per_sample_gradients(cpp_autograd):
 
 def test_func_gradients_run_on_the_op(cpp_autograd):
     """Under torch.func.grad the forward and the three gradients are calls of the op."""
-    (a, b, c), offs = _problem("2d3d", True)
+    (a, b, c), offs = small_problem("2d3d", bias=True)
     op, _ = _fns(offs, True)
     moe_ops.reset_kernel_counts()
     grad(lambda *x: op(*x).sum(), argnums=(0, 1, 2))(a, b, c)
@@ -206,7 +190,7 @@ def test_python_kernel_refuses_func_transforms_clearly():
     before = moe_ops._op._Autograd.active
     moe_ops._op.use_autograd("python")
     try:
-        (a, b, c), offs = _problem("2d3d", True)
+        (a, b, c), offs = small_problem("2d3d", bias=True)
         op, ref = _fns(offs, True)
         with pytest.raises(NotImplementedError, match="needs the op's C\\+\\+ Autograd kernel"):
             grad(lambda x: op(x, b, c).sum())(a)
@@ -223,7 +207,7 @@ def test_python_kernel_refuses_func_transforms_clearly():
 def test_compiled_func_grad_and_jvp(cpp_autograd):
     """torch.compile over torch.func.grad and torch.func.jvp of the op."""
     torch._dynamo.reset()
-    (a, b), offs = _problem("2d3d", False)
+    (a, b), offs = small_problem("2d3d", bias=False)
     op, ref = _fns(offs, False)
     loss = lambda f: lambda *x: f(*x).sin().sum()  # noqa: E731
     got = torch.compile(grad(loss(op), argnums=(0, 1)))(a, b)
