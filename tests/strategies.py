@@ -72,19 +72,22 @@ def build(case: Case):
 
 
 @st.composite
-def partitions(draw, G: int, extent: int):
+def partitions(draw, G: int, extent: int, short: bool = False):
     """G cumulative group ends in [0, extent], drawn with replacement so that empty groups occur;
-    the last end is the extent about half of the time and below it otherwise."""
-    ends = sorted(draw(st.lists(st.integers(0, extent), min_size=G, max_size=G)))
-    if draw(st.booleans()):
+    the last end is the extent about half of the time and below it otherwise (always below it
+    with ``short``, when extent > 0: some of the ragged dimension then belongs to no group)."""
+    top = extent - 1 if short and extent > 0 else extent
+    ends = sorted(draw(st.lists(st.integers(0, top), min_size=G, max_size=G)))
+    if not short and draw(st.booleans()):
         ends[-1] = extent
     return tuple(ends)
 
 
 @st.composite
 def cases(draw, layouts=LAYOUTS, dtypes=DTYPES, max_m=64, max_k=48, max_n=48, max_g=8,
-          allow_big_g=True, allow_bias=True, allow_out_dtype=True):
-    """A random valid grouped_mm problem. G is 1..max_g, or 256 now and then."""
+          allow_big_g=True, allow_bias=True, allow_out_dtype=True, short=False):
+    """A random valid grouped_mm problem. G is 1..max_g, or 256 now and then; ``short``: offs[-1]
+    below the extent (see partitions)."""
     layout = draw(st.sampled_from(layouts))
     g_choices = st.integers(1, max_g)
     G = draw(st.one_of(g_choices, st.just(256)) if allow_big_g else g_choices)
@@ -93,7 +96,7 @@ def cases(draw, layouts=LAYOUTS, dtypes=DTYPES, max_m=64, max_k=48, max_n=48, ma
     N = draw(st.integers(1, max_n))
     dtype = draw(st.sampled_from(dtypes))
     extent = {"2d3d": M, "2d2d": K, "3d2d": N, "3d3d": None}[layout]
-    offs = None if extent is None else draw(partitions(G, extent))
+    offs = None if extent is None else draw(partitions(G, extent, short))
     bias = allow_bias and layout in ("2d3d", "3d3d") and draw(st.booleans())
     out_dtype = None
     if allow_out_dtype and draw(st.booleans()):

@@ -5,6 +5,7 @@ Categories:
   shapes (M = 0, K = 0, N = 1, G = 1 and G = 256 included), partitions with empty groups and
   offs[-1] below the extent, all dtypes, transposed and strided operands, bias and out_dtype;
 * exact zeros: rows / columns past offs[-1] and the slices of empty 2Dx2D groups;
+* NaN / inf in elements outside every group (padding rows, empty experts) never reach the result;
 * accelerator semantics for invalid offs: values are clamped, never read out of bounds;
 * named edge cases that the derandomized CI profile must always contain.
 """
@@ -59,6 +60,49 @@ def test_matches_oracle(impl):
     @given(case=cases(layouts=impl.layouts, dtypes=impl.dtypes))
     def run(case):
         check_case(impl, case)
+
+    run()
+
+
+def _poison_outside_groups(case: Case, a, b, bias, offs):
+    """Copies of the operands with NaN / inf in every element that belongs to no group: rows
+    past offs[-1] (2Dx3D mat_a), K indices past it (2Dx2D, both operands), columns past it (3Dx2D
+    mat_b), and the weights (and bias) of empty groups. MoE code hands such memory over as is:
+    token buffers padded with torch.empty, uninitialised expert slots."""
+    a, b, bias = a.clone(), b.clone(), None if bias is None else bias.clone()
+    ends = offs.to(torch.int64)
+    last = int(ends[-1])
+    empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
+    if case.layout == "2d3d":
+        a[last:] = float("nan")
+        b[empty] = float("inf")
+        if bias is not None:
+            bias[empty] = float("nan")
+    elif case.layout == "2d2d":
+        a[:, last:] = float("inf")
+        b[last:] = float("nan")
+    else:  # 3d2d
+        a[empty] = float("nan")
+        b[:, last:] = float("-inf")
+    return a, b, bias
+
+
+def test_values_outside_every_group_are_never_read(impl):
+    """NaN / inf outside every group change no bit of the result (a kernel that multiplied
+    them by a zero mask would turn them into NaN)."""
+    ragged = tuple(lay for lay in impl.layouts if lay != "3d3d")
+    if not ragged:
+        pytest.skip(f"{impl.name} serves no layout with offs")
+
+    @settings(max_examples=max(10, _budget(impl) // 2))
+    @given(case=cases(layouts=ragged, dtypes=impl.dtypes, short=True))
+    def run(case):
+        a, b, offs, bias, out_dtype = build(case)
+        a, b, bias = a.clone(), b.clone(), None if bias is None else bias.clone()
+        want = impl(a, b, offs, bias, out_dtype)
+        pa, pb, pbias = _poison_outside_groups(case, a, b, bias, offs)
+        got = impl(pa, pb, offs, pbias, out_dtype)
+        assert torch.equal(got, want), f"{impl.name} {case}: values outside every group reached the result"
 
     run()
 
