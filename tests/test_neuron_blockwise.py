@@ -4,6 +4,7 @@ Categories:
 * the shared property suite's checks (``test_properties.check_case``: the float64 oracle, the one
   tolerance rule, exact zeros) on the 2D x 3D and 2D x 2D layouts it serves, all dtypes, for
   block sizes that split groups into many blocks (1, 5) and Trainium's smallest (128);
+* inf / NaN outside every group are never read, and stay in their group;
 * invalid offs are clamped as on an accelerator;
 * the schedules' invariants: every row / K index in exactly one slot, every output row and
   every 2D x 2D group slice written exactly once, static block counts;
@@ -23,6 +24,7 @@ from moe_ops import _contract, reference
 from moe_ops.backends import neuron, neuron_blockwise
 from oracle import group_ids
 from strategies import Case, cases, partitions
+import test_properties
 from test_properties import check_case
 
 pytestmark = pytest.mark.backend_neuron
@@ -35,6 +37,7 @@ class BlockwiseImpl:
 
     cost = "cheap"
     layouts = neuron.LAYOUTS
+    dtypes = neuron.DTYPES
 
     def __init__(self, block: int):
         self.block, self.name = block, f"neuron-blockwise-B{block}"
@@ -58,6 +61,15 @@ def test_matches_oracle(block):
         check_case(impl, case)
 
     run()
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_non_finite_values_are_isolated(block):
+    """The shared suite's isolation properties: inf / NaN outside every group are never read,
+    and inside one group they reach no other group's part of the result."""
+    impl = BlockwiseImpl(block)
+    test_properties.test_values_outside_every_group_are_never_read(impl)
+    test_properties.test_non_finite_values_stay_in_their_group(impl)
 
 
 @pytest.mark.parametrize("block", BLOCKS)

@@ -6,6 +6,7 @@ kernels use) on the emulator and checks that a hardware or API rule is enforced:
 * nc_matmul / nc_transpose memory spaces, operand shapes, dtypes, PSUM accumulation rules;
 * DMA: no PSUM, equal element counts, bounds, indirect indices with oob_mode error / skip;
 * reads of never-written memory and kernels that leave outputs unwritten;
+* tensor_copy_predicated: what it selects, and its dtype / shape / reverse_pred rules;
 * bf16 rounding (to nearest even);
 * the real kernels fail when their tiling exceeds the hardware (a kernel told pmax = 256).
 """
@@ -255,6 +256,42 @@ def test_outputs_must_be_fully_written():
 
     with pytest.raises(emu.EmulatorError, match=r"left 4 elements of its output \(8, 4\) unwritten \(first at \(7, 0\)\)"):
         run(kernel)
+
+
+def test_predicated_copy_selects_and_enforces_its_rules():
+    """tensor_copy_predicated copies where the predicate is set (unset, with reverse_pred), leaves
+    the rest, passes NaN / inf through unchanged, and rejects what the NKI documentation forbids."""
+    def kernel(reverse):
+        dst = _sbuf((4, 3), value=float("nan"))
+        pred = _sbuf((4, 3), dtype=nl.uint8, value=0)
+        nisa.memset(dst=pred[0:2, :], value=1)
+        if reverse:
+            nisa.tensor_copy_predicated(dst=dst, src=0.0, predicate=pred, reverse_pred=True)
+        else:
+            nisa.tensor_copy_predicated(dst=dst, src=_sbuf((4, 3), value=float("inf")), predicate=pred)
+        return _store(dst)
+
+    got = run(lambda: kernel(False))[0]
+    assert np.isinf(got[:2]).all() and np.isnan(got[2:]).all()
+    got = run(lambda: kernel(True))[0]
+    assert np.isnan(got[:2]).all() and (got[2:] == 0).all()
+
+    def bad(pred_dtype="uint8", pred_shape=(4, 3), src="tile", reverse=False, src_dtype="float32"):
+        dst = _sbuf((4, 3))
+        pred = _sbuf(pred_shape, dtype=getattr(nl, pred_dtype), value=1)
+        source = _sbuf((4, 3), dtype=getattr(nl, src_dtype)) if src == "tile" else src
+        nisa.tensor_copy_predicated(dst=dst, src=source, predicate=pred, reverse_pred=reverse)
+
+    with pytest.raises(emu.EmulatorError, match="predicate dtype"):
+        run(lambda: bad(pred_dtype="float32"))
+    with pytest.raises(emu.EmulatorError, match="predicate .* and dst .* differ"):
+        run(lambda: bad(pred_shape=(4, 2)))
+    with pytest.raises(emu.EmulatorError, match="reverse_pred needs a scalar src"):
+        run(lambda: bad(reverse=True))
+    with pytest.raises(emu.EmulatorError, match="dtypes differ"):
+        run(lambda: bad(src_dtype="bfloat16"))
+    with pytest.raises(emu.EmulatorError, match="does not match dst dtype"):
+        run(lambda: bad(src=0))
 
 
 def test_bf16_rounds_to_nearest_even():

@@ -6,6 +6,7 @@ Categories:
   offs[-1] below the extent, all dtypes, transposed and strided operands, bias and out_dtype;
 * exact zeros: rows / columns past offs[-1] and the slices of empty 2Dx2D groups;
 * NaN / inf in elements outside every group (padding rows, empty experts) never reach the result;
+* inf / NaN inside one group never reach another group's part of the result;
 * accelerator semantics for invalid offs: values are clamped, never read out of bounds;
 * named edge cases that the derandomized CI profile must always contain.
 """
@@ -103,6 +104,48 @@ def test_values_outside_every_group_are_never_read(impl):
         pa, pb, pbias = _poison_outside_groups(case, a, b, bias, offs)
         got = impl(pa, pb, offs, pbias, out_dtype)
         assert torch.equal(got, want), f"{impl.name} {case}: values outside every group reached the result"
+
+    run()
+
+
+def _group_slices(case: Case, offs):
+    """Per group g: (its index into mat_a, into mat_b, into the result), as tuples of slices."""
+    ends = [0] + [int(e) for e in offs] if offs is not None else None
+    full = slice(None)
+    for g in range(case.G):
+        if case.layout == "3d3d":
+            yield (g,), (g,), (g,)
+            continue
+        lo, hi = ends[g], max(ends[g], ends[g + 1])
+        if case.layout == "2d3d":
+            yield (slice(lo, hi),), (g,), (slice(lo, hi),)
+        elif case.layout == "2d2d":
+            yield (full, slice(lo, hi)), (slice(lo, hi),), (g,)
+        else:  # 3d2d
+            yield (g,), (full, slice(lo, hi)), (full, slice(lo, hi))
+
+
+def test_non_finite_values_stay_in_their_group(impl):
+    """inf / NaN in one group's operands change no bit outside that group's part of the result
+    (an accumulator restarted by a multiplication by zero would carry them to the next group)."""
+
+    @settings(max_examples=max(10, _budget(impl) // 2))
+    @given(case=cases(layouts=impl.layouts, dtypes=impl.dtypes, max_g=6, allow_big_g=False), data=st.data())
+    def run(case, data):
+        a, b, offs, bias, out_dtype = build(case)
+        a, b = a.clone(), b.clone()
+        want = impl(a, b, offs, bias, out_dtype)
+        groups = [s for s in _group_slices(case, offs) if a[s[0]].numel() and b[s[1]].numel()]
+        if not groups:
+            return
+        sa, sb, so = data.draw(st.sampled_from(groups))
+        pa, pb = a.clone(), b.clone()
+        pa[sa] = float("inf")
+        pb[sb] = float("nan")
+        got = impl(pa, pb, offs, bias, out_dtype)
+        outside = torch.ones(got.shape, dtype=torch.bool)
+        outside[so] = False
+        assert torch.equal(got[outside], want[outside]), f"{impl.name} {case}: a group's inf / NaN reached another group"
 
     run()
 

@@ -124,7 +124,10 @@ def _kernel_call(p: Problem, a, b, offs, bias, block: Optional[int] = None):
         # that storage as is (the kernel transposes tiles on chip) instead of copying it.
         w_transposed = b.transpose(1, 2).is_contiguous()
         w = b.transpose(1, 2) if w_transposed else b.contiguous()
-        args = (a.contiguous(), w, None if bias is None else bias.contiguous(), s.group, s.gather, s.scatter,
+        # Real slots scatter their results; slots of rows past offs[-1] scatter zeros.
+        scatter = torch.where(s.valid, s.scatter, p.M)
+        zero = torch.where(s.valid, p.M, s.scatter)
+        args = (a.contiguous(), w, None if bias is None else bias.contiguous(), s.group, s.gather, scatter, zero,
                 None if bias is None else s.valid.to(p.dtype))
         return neuron_nki.block_mm_2d3d, args, dict(block=block, w_transposed=w_transposed, out_fp32=out_fp32,
                                                     n_panel=panel_width(p.K, _itemsize(p)))
@@ -229,9 +232,9 @@ def _torchneuron_op(kernel):
     if kernel is neuron_nki.block_mm_2d3d:
         @tnx.nki_op("moe_neuron::block_mm_2d3d", mutates_args={})
         def op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], group: torch.Tensor,
-               gather: torch.Tensor, scatter: torch.Tensor, valid: Optional[torch.Tensor], block: int,
-               w_transposed: bool, out_fp32: bool, n_panel: int) -> torch.Tensor:
-            return wrapped(x, w, bias, group, gather, scatter, valid, block=block, w_transposed=w_transposed,
+               gather: torch.Tensor, scatter: torch.Tensor, zero: torch.Tensor, valid: Optional[torch.Tensor],
+               block: int, w_transposed: bool, out_fp32: bool, n_panel: int) -> torch.Tensor:
+            return wrapped(x, w, bias, group, gather, scatter, zero, valid, block=block, w_transposed=w_transposed,
                            out_fp32=out_fp32, n_panel=n_panel)
     else:
         @tnx.nki_op("moe_neuron::block_mm_2d2d", mutates_args={})

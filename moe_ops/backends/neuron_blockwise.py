@@ -20,12 +20,13 @@ costs nb x block rows of FLOPs (<= M + G x block rows); every iteration is one d
 per block. The price is an unrolled graph of nb matmuls.
 
 2D x 3D (MoE forward; with mat_b transposed, the input gradient): out [M, N]. The G groups are
-extended by a pseudo-group G holding the rows past offs[-1]; its blocks read zero rows, so they
-write the exact zeros the contract requires, and every output row is written exactly once (no
-zero fill of the output). Block count: ceil(M / block) + G.
+extended by a pseudo-group G holding the rows past offs[-1]; its blocks read zero rows and write
+exact zeros (selected, not multiplied: 0 x inf is NaN), and every output row is written exactly
+once (no zero fill of the output). Block count: ceil(M / block) + G.
 
 2D x 2D (weight gradient, groups over K): out [G, M, N]. Blocks of one group are consecutive, so
-a running [M, N] accumulator restarts (``keep`` = 0) at each group's first block and is stored
+a running [M, N] accumulator restarts at exactly zero (``keep`` = 0; by selection, so that one
+group's inf or NaN stays in it) at each group's first block and is stored
 to out[g] at the group's last block only. The unused blocks at the end are given to the empty
 groups (there are always enough, see ``schedule_2d2d``) and store their zero accumulator there,
 so again every output slice is written exactly once. Block count: ceil(K / block) + G - 1.
@@ -195,7 +196,9 @@ def grouped_mm_2d3d(p: Problem, a, b, offs, bias, block: int):
         bias_row = None
         if bias is not None:
             bias_row = torch.where(valid[j, :, None], bias.index_select(0, s.group[j:j + 1]).to(p.acc_dtype), 0)
-        out.index_copy_(0, scatter[j], _block_mm(p, rows, w, bias_row))
+        # Slots of rows past offs[-1] read zero rows, but 0 x W[g] is NaN where W[g] holds inf or
+        # NaN: they get exact zeros by selection, not by multiplication.
+        out.index_copy_(0, scatter[j], torch.where(valid[j, :, None], _block_mm(p, rows, w, bias_row), 0))
     return out[:M]
 
 
@@ -217,7 +220,9 @@ def grouped_mm_2d2d(p: Problem, a, b, offs, block: int):
         idx = gather[j].clamp(max=K - 1)
         xa = torch.where(valid[None, :], a.index_select(1, idx), 0).to(p.acc_dtype)
         xb = torch.where(valid[:, None], b.index_select(0, idx), 0).to(p.acc_dtype)
-        acc = acc * s.keep[j].to(p.acc_dtype) + torch.matmul(xa, xb)
+        # A group's first block restarts the sum at zero by selection: acc * 0 would carry the
+        # previous group's inf or NaN into this one.
+        acc = torch.where(s.keep[j] > 0, acc, 0) + torch.matmul(xa, xb)
         out.index_copy_(0, store[j:j + 1], acc.to(p.out_dtype).unsqueeze(0))
     return out[:G]
 

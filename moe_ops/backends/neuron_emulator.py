@@ -22,6 +22,8 @@ What it enforces, so that index-math and tiling bugs fail here instead of on har
   compiler's allocator) at most 192 KiB of SBUF and 16 KiB of PSUM per partition;
   ``nc_matmul`` operands: contraction over equal partition counts <= 128, stationary free size
   <= 128, moving free size <= 512, dst shape [stationary free, moving free].
+* tensor_copy_predicated: a uint8 predicate of dst's shape, src of dst's dtype, reverse_pred only
+  with a scalar src, src and predicate not both in PSUM;
 * dtype rules: matmul inputs bf16 / fp16 / fp32, fp32 only with fp32, result fp32 in PSUM;
   transposes keep the dtype; engine arithmetic in fp32 and one rounding (round to nearest even)
   to the destination dtype; DMA between different dtypes goes through fp32.
@@ -75,9 +77,11 @@ SBUF_PARTITION_BYTES = 192 * 1024  # 24 MiB / 128 partitions
 # NKI names dtypes with strings; bf16 is stored as float32 values rounded to bf16.
 _STORAGE = {
     "float32": (np.float32, 4), "bfloat16": (np.float32, 2), "float16": (np.float16, 2), "int32": (np.int32, 4),
+    "uint8": (np.uint8, 1),
 }
 _MATMUL_DTYPES = ("bfloat16", "float16", "float32")
-_INT_DTYPES = ("int32",)
+_INT_DTYPES = ("int32", "uint8")
+_PREDICATE_DTYPES = ("uint8",)  # NKI allows uint8 / uint16 / uint32 predicates; the kernels use uint8
 
 SBUF, PSUM, SHARED_HBM = "sbuf", "psum", "shared_hbm"
 _ON_CHIP = (SBUF, PSUM)
@@ -407,7 +411,7 @@ _ALU = {"add": _add, "multiply": _multiply}
 language = SimpleNamespace(
     ndarray=ndarray, affine_range=range, sequential_range=range,
     tile_size=SimpleNamespace(pmax=PMAX, gemm_moving_fmax=GEMM_MOVING_FMAX),
-    float32="float32", bfloat16="bfloat16", float16="float16", int32="int32",
+    float32="float32", bfloat16="bfloat16", float16="float16", int32="int32", uint8="uint8",
     sbuf=SBUF, psum=PSUM, shared_hbm=SHARED_HBM, add=_add, multiply=_multiply,
 )
 
@@ -581,9 +585,44 @@ def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0, operand0, op1, operand1
     _write(dst, r.astype(np.float32), "float32")
 
 
+def tensor_copy_predicated(dst: Tensor, src, predicate: Tensor, reverse_pred=False, name=None):
+    """dst = src where predicate is non-zero (where it is zero, with reverse_pred) on the Vector
+    Engine; the other elements of dst keep their values. src: a tile of dst's dtype and shape
+    per partition, or a Python scalar (the only kind reverse_pred takes)."""
+    _run().counts["tensor_copy_predicated"] += 1
+    if dst.buffer not in _ON_CHIP or predicate.buffer not in _ON_CHIP:
+        raise EmulatorError("tensor_copy_predicated: dst and predicate must be SBUF or PSUM tiles")
+    if predicate.dtype not in _PREDICATE_DTYPES:
+        raise EmulatorError(f"tensor_copy_predicated: predicate dtype must be one of {_PREDICATE_DTYPES}, "
+                            f"got {predicate.dtype}")
+    if _partitions(predicate) != _partitions(dst) or _per_partition(predicate) != _per_partition(dst):
+        raise EmulatorError(f"tensor_copy_predicated: predicate {predicate.shape} and dst {dst.shape} differ")
+    take = _flat2d(predicate, "tensor_copy_predicated predicate") != 0
+    if reverse_pred:
+        if isinstance(src, Tensor):
+            raise EmulatorError("tensor_copy_predicated: reverse_pred needs a scalar src")
+        take = ~take
+    if isinstance(src, Tensor):
+        if src.buffer == PSUM and predicate.buffer == PSUM:
+            raise EmulatorError("tensor_copy_predicated: src and predicate cannot both be in PSUM")
+        if src.dtype != dst.dtype:
+            raise EmulatorError(f"tensor_copy_predicated: src {src.dtype} and dst {dst.dtype} dtypes differ")
+        if _partitions(src) != _partitions(dst) or _per_partition(src) != _per_partition(dst):
+            raise EmulatorError(f"tensor_copy_predicated: src {src.shape} and dst {dst.shape} differ")
+        values = _flat2d(src, "tensor_copy_predicated src")
+    else:
+        if (dst.dtype in _INT_DTYPES) != isinstance(src, int):
+            raise EmulatorError(f"tensor_copy_predicated: scalar {src!r} does not match dst dtype {dst.dtype}")
+        values = np.full(take.shape, src, dtype=np.float64 if dst.dtype not in _INT_DTYPES else np.int64)
+    addr, _ = _addresses(dst)
+    _write(dst, values, dst.dtype if isinstance(src, Tensor) else ("float32" if dst.dtype not in _INT_DTYPES
+                                                                   else dst.dtype),
+           mask=take.reshape(dst.shape), addr=addr)
+
+
 isa = SimpleNamespace(
     dma_copy=dma_copy, memset=memset, tensor_copy=tensor_copy, nc_transpose=nc_transpose, nc_matmul=nc_matmul,
-    scalar_tensor_tensor=scalar_tensor_tensor, oob_mode=oob_mode,
+    scalar_tensor_tensor=scalar_tensor_tensor, tensor_copy_predicated=tensor_copy_predicated, oob_mode=oob_mode,
 )
 
 

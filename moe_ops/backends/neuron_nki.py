@@ -80,7 +80,7 @@ def _load_index(src, start: int, count: int, shape):
     return t
 
 
-def block_mm_2d3d(x, w, bias, block_group, gather_rows, scatter_rows, row_valid, block: int,
+def block_mm_2d3d(x, w, bias, block_group, gather_rows, scatter_rows, zero_rows, row_valid, block: int,
                   w_transposed: bool = False, out_fp32: bool = False, n_panel: int = 512):
     """Block-wise 2D x 3D grouped matmul: out[rows of group g] = x[rows] @ W[g] (+ bias[g]).
 
@@ -91,7 +91,11 @@ def block_mm_2d3d(x, w, bias, block_group, gather_rows, scatter_rows, row_valid,
         bias: [G, N] in x's dtype, or None.
         block_group: [NB] int32, each in [0, G): the weights of each block.
         gather_rows: [NB * block] int32: the x row each slot reads; M (out of bounds) = a zero row.
-        scatter_rows: [NB * block] int32: the output row each slot writes; M = no write.
+        scatter_rows: [NB * block] int32: the output row each slot of a real group writes; M = no
+            write.
+        zero_rows: [NB * block] int32: the output row past offs[-1] each slot writes zeros to; M =
+            none. (Those slots compute zero rows x W[g], which is NaN where W[g] holds inf or NaN:
+            their rows get zeros from a tile of zeros instead.)
         row_valid: [NB * block] in x's dtype, 1 for slots of a real group (they get the bias), 0
             otherwise; None without bias.
         block: rows per block, a multiple of 128. out_fp32: fp32 output for bf16 / fp16 inputs.
@@ -119,6 +123,8 @@ def block_mm_2d3d(x, w, bias, block_group, gather_rows, scatter_rows, row_valid,
     out = nl.ndarray((M, N), dtype=out_dtype, buffer=nl.shared_hbm)
     n_rt, n_kt, n_nt = block // P, _ceil_div(K, P), _ceil_div(N, NT)
     KC = 4 * P  # columns per row-gather DMA: 1 KiB (bf16) contiguous per row and descriptor
+    zeros = nl.ndarray((P, NT), dtype=out_dtype, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0)
 
     for j in nl.affine_range(NB):
         gid = _load_index(block_group, j, 1, (1, 1))
@@ -186,6 +192,10 @@ def block_mm_2d3d(x, w, bias, block_group, gather_rows, scatter_rows, row_valid,
                 nisa.dma_copy(dst=out.ap(pattern=[[N, P], [1, nsz]], offset=n0, vector_offset=dest,
                                          indirect_dim=0),
                               src=res, oob_mode=nisa.oob_mode.skip)
+                zdest = _load_index(zero_rows, s0, P, (P, 1))
+                nisa.dma_copy(dst=out.ap(pattern=[[N, P], [1, nsz]], offset=n0, vector_offset=zdest,
+                                         indirect_dim=0),
+                              src=zeros[:, 0:nsz], oob_mode=nisa.oob_mode.skip)
     return out
 
 
@@ -212,8 +222,9 @@ def block_mm_2d2d(xt, dy, gather_rows, keep, store_group, block: int, n_groups: 
     Per pass and block (in order: the accumulator is carried from block to block): gather the
     block's rows of xt and dy (contraction index on partitions), compute the [M, N] partial
     product tile by tile in PSUM (block / 128 accumulating matmuls), then on the Vector Engine
-    acc = acc * keep[j] + partial, and store acc to out[store_group[j]] (skipped when out of
-    bounds), so each group's slice is written once, at its last block.
+    acc = (keep[j] ? acc : 0) + partial (the restart a predicated copy of zeros, so one group's
+    inf or NaN stays in it), and store acc to out[store_group[j]] (skipped when out of bounds),
+    so each group's slice is written once, at its last block.
     """
     K, M = xt.shape
     N = dy.shape[1]
@@ -229,6 +240,8 @@ def block_mm_2d2d(xt, dy, gather_rows, keep, store_group, block: int, n_groups: 
 
     keep_sb = nl.ndarray((P, NB), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=keep_sb, src=keep)
+    zeros = nl.ndarray((P, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0)
 
     for mp in nl.affine_range(_ceil_div(n_mt, m_pass_tiles)):
         m_lo = mp * m_pass_tiles * P
@@ -246,6 +259,10 @@ def block_mm_2d2d(xt, dy, gather_rows, keep, store_group, block: int, n_groups: 
 
             for j in nl.sequential_range(NB):  # carries acc
                 sg = _load_index(store_group, j, 1, (1, 1))
+                # keep[j] on every element: the predicate of the restart below.
+                cont = nl.ndarray((P, NT), dtype=nl.uint8, buffer=nl.sbuf)
+                nisa.scalar_tensor_tensor(dst=cont, data=zeros, op0=nl.add, operand0=keep_sb[:, j:j + 1],
+                                          op1=nl.add, operand1=zeros)
                 xr, dr = [], []
                 for t in nl.affine_range(n_rt):
                     idx = _load_index(gather_rows, j * block + t * P, P, (P, 1))
@@ -266,8 +283,10 @@ def block_mm_2d2d(xt, dy, gather_rows, keep, store_group, block: int, n_groups: 
                             nisa.nc_matmul(dst=ps, stationary=xr[t][:, m0:m0 + msz], moving=dr[t][:, n0:n0 + nsz],
                                            accumulate=(t > 0))
                         cur = acc[mi][:, n0:n0 + nsz]
-                        nisa.scalar_tensor_tensor(dst=cur, data=cur, op0=nl.multiply, operand0=keep_sb[0:msz, j:j + 1],
-                                                  op1=nl.add, operand1=ps)
+                        # A group's first block restarts the sum at exactly zero, by a predicated
+                        # copy: acc * keep would carry the previous group's inf or NaN into it.
+                        nisa.tensor_copy_predicated(dst=cur, src=0.0, predicate=cont[0:msz, 0:nsz], reverse_pred=True)
+                        nisa.scalar_tensor_tensor(dst=cur, data=cur, op0=nl.add, operand0=0.0, op1=nl.add, operand1=ps)
                         res = nl.ndarray((msz, nsz), dtype=out_dtype, buffer=nl.sbuf)
                         nisa.tensor_copy(dst=res, src=cur)
                         nisa.dma_copy(dst=out.ap(pattern=[[N, msz], [1, nsz]], offset=(m_lo + m0) * N + n_lo + n0,
