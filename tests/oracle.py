@@ -39,19 +39,25 @@ def oracle(mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, exact=True):
             out = out + bias[:, None, :]
     elif a.dim() == 2 and b.dim() == 3:
         gid = group_ids(offs, a.shape[0])
-        member = (gid >= 0).to(acc)
+        member = (gid >= 0)[:, None]
         g = gid.clamp(min=0)
-        out = torch.einsum("mk,mkn->mn", a, b[g]) * member[:, None]
+        # Selected, not multiplied by 0/1: a row outside every group is 0 even where the
+        # stand-in group's weights hold inf or NaN.
+        out = torch.where(member, torch.einsum("mk,mkn->mn", a, b[g]), 0)
         if bias is not None:
-            out = out + bias[g] * member[:, None]
+            out = out + torch.where(member, bias[g], 0)
     elif a.dim() == 2 and b.dim() == 2:
         gid = group_ids(offs, a.shape[1])
-        onehot = (gid[None, :] == torch.arange(offs.shape[0])[:, None]).to(acc)  # [G, K]
-        out = torch.einsum("mk,gk,kn->gmn", a, onehot, b)
+        onehot = gid[None, :] == torch.arange(offs.shape[0])[:, None]  # [G, K]
+        # Each group's own K indices selected on both sides (a product with 0 would be NaN next
+        # to an inf or NaN of another group).
+        a_g = torch.where(onehot[:, None, :], a[None], 0)  # [G, M, K]
+        b_g = torch.where(onehot[:, :, None], b[None], 0)  # [G, K, N]
+        out = torch.einsum("gmk,gkn->gmn", a_g, b_g)
     else:
         gid = group_ids(offs, b.shape[1])
-        member = (gid >= 0).to(acc)
-        out = torch.einsum("nmk,kn->mn", a[gid.clamp(min=0)], b) * member[None, :]
+        member = (gid >= 0)[None, :]
+        out = torch.where(member, torch.einsum("nmk,kn->mn", a[gid.clamp(min=0)], b), 0)
     return out if exact else out.detach().to(out_dtype)
 
 

@@ -53,6 +53,52 @@ inline __mmask8 mask8(int64_t n) { return n >= 8 ? (__mmask8)0xFF : (__mmask8)((
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1); }
 
 // ---------------------------------------------------------------------------------------------
+// Masked loads and stores, the edges of every row. GCC's AddressSanitizer instruments plain
+// loads and stores but not these intrinsics (measured: a masked load reaching 4 bytes past a
+// malloc'd buffer went unreported, a plain one was caught), so in a sanitizer build
+// (.ci/sanitizers.sh) each one first checks the bytes of its lanes, first to last set lane (the
+// masks here are prefixes), and reports like an instrumented access. Otherwise they are the
+// intrinsics.
+#if defined(__SANITIZE_ADDRESS__)
+extern "C" void __asan_report_load_n(uintptr_t addr, size_t size);
+extern "C" void __asan_report_store_n(uintptr_t addr, size_t size);
+extern "C" void* __asan_region_is_poisoned(void* beg, size_t size);
+inline void check_lanes(const void* p, uint64_t mask, int lane_bytes, bool store) {
+  if (mask == 0) return;
+  const int lo = __builtin_ctzll(mask), hi = 63 - __builtin_clzll(mask);
+  char* beg = (char*)p + (int64_t)lo * lane_bytes;
+  const size_t size = (size_t)(hi - lo + 1) * lane_bytes;
+  if (char* bad = (char*)__asan_region_is_poisoned(beg, size)) {  // the first poisoned byte
+    const size_t rest = (size_t)(beg + size - bad);
+    if (store) __asan_report_store_n((uintptr_t)bad, rest);
+    else __asan_report_load_n((uintptr_t)bad, rest);
+  }
+}
+#else
+inline void check_lanes(const void*, uint64_t, int, bool) {}
+#endif
+inline __m512 masked_load_ps(__mmask16 m, const float* p) { check_lanes(p, m, 4, false); return _mm512_maskz_loadu_ps(m, p); }
+inline __m512d masked_load_pd(__mmask8 m, const double* p) { check_lanes(p, m, 8, false); return _mm512_maskz_loadu_pd(m, p); }
+inline __m256i masked_load_epi16x16(__mmask16 m, const uint16_t* p) {
+  check_lanes(p, m, 2, false);
+  return _mm256_maskz_loadu_epi16(m, p);
+}
+inline __m512i masked_load_epi16x32(__mmask32 m, const uint16_t* p) {
+  check_lanes(p, m, 2, false);
+  return _mm512_maskz_loadu_epi16(m, p);
+}
+inline void masked_store_ps(float* p, __mmask16 m, __m512 v) { check_lanes(p, m, 4, true); _mm512_mask_storeu_ps(p, m, v); }
+inline void masked_store_pd(double* p, __mmask8 m, __m512d v) { check_lanes(p, m, 8, true); _mm512_mask_storeu_pd(p, m, v); }
+inline void masked_store_epi16x16(uint16_t* p, __mmask16 m, __m256i v) {
+  check_lanes(p, m, 2, true);
+  _mm256_mask_storeu_epi16(p, m, v);
+}
+inline void masked_store_epi16x32(uint16_t* p, __mmask32 m, __m512i v) {
+  check_lanes(p, m, 2, true);
+  _mm512_mask_storeu_epi16(p, m, v);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Conversions. bf16 rounding is round-to-nearest-even with NaN kept quiet, as c10::BFloat16 does.
 
 inline float bf16_to_f32(uint16_t h) {
@@ -128,22 +174,22 @@ template <> struct Ty<Dt::f64> {
 
 // Sixteen elements of a row (masked: lanes past `mask` read nothing and are zero) as fp32.
 template <Dt D> inline __m512 load16_f32(const typename Ty<D>::T* p, __mmask16 m);
-template <> inline __m512 load16_f32<Dt::f32>(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+template <> inline __m512 load16_f32<Dt::f32>(const float* p, __mmask16 m) { return masked_load_ps(m, p); }
 template <> inline __m512 load16_f32<Dt::bf16>(const uint16_t* p, __mmask16 m) {
-  return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
+  return bf16x16_to_f32(masked_load_epi16x16(m, p));
 }
 template <> inline __m512 load16_f32<Dt::f16>(const uint16_t* p, __mmask16 m) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_cvtph_ps(masked_load_epi16x16(m, p));
 }
 
 // Store sixteen fp32 values (lanes in `mask`) as dtype O.
 template <Dt O> inline void store16_f32(typename Ty<O>::T* p, __m512 v, __mmask16 m);
-template <> inline void store16_f32<Dt::f32>(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+template <> inline void store16_f32<Dt::f32>(float* p, __m512 v, __mmask16 m) { masked_store_ps(p, m, v); }
 template <> inline void store16_f32<Dt::bf16>(uint16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, f32_to_bf16x16(v));
+  masked_store_epi16x16(p, m, f32_to_bf16x16(v));
 }
 template <> inline void store16_f32<Dt::f16>(uint16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  masked_store_epi16x16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 // Sixteen fp32 values as dtype O to p, elements sn apart, the first `count` of them: one masked
@@ -427,7 +473,7 @@ void pack_rows_tiles(const uint16_t* src, int64_t sm, int64_t sk, int64_t rows, 
     for (int64_t r = 0; r < mts * 16; ++r) {
       uint16_t* d = dst + (r / 16) * ks * kTileElems + (r % 16) * 32;
       for (int64_t s = 0; s < ks; ++s) {
-        __m512i v = r < rows ? _mm512_maskz_loadu_epi16(mask32(K - s * 32), src + r * sm + s * 32)
+        __m512i v = r < rows ? masked_load_epi16x32(mask32(K - s * 32), src + r * sm + s * 32)
                              : _mm512_setzero_si512();
         _mm512_storeu_si512(d + s * kTileElems, v);
       }
@@ -441,8 +487,8 @@ void pack_rows_tiles(const uint16_t* src, int64_t sm, int64_t sk, int64_t rows, 
         __m512 w[16];
         for (int64_t q = 0; q < 16; ++q) {
           const int64_t k0 = s * 32 + 2 * q;
-          __m256i lo = k0 < K ? _mm256_maskz_loadu_epi16(rm, src + k0 * sk + mt * 16) : _mm256_setzero_si256();
-          __m256i hi = k0 + 1 < K ? _mm256_maskz_loadu_epi16(rm, src + (k0 + 1) * sk + mt * 16) : _mm256_setzero_si256();
+          __m256i lo = k0 < K ? masked_load_epi16x16(rm, src + k0 * sk + mt * 16) : _mm256_setzero_si256();
+          __m256i hi = k0 + 1 < K ? masked_load_epi16x16(rm, src + (k0 + 1) * sk + mt * 16) : _mm256_setzero_si256();
           w[q] = _mm512_castsi512_ps(
               _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
         }
@@ -493,8 +539,8 @@ void pack_vnni_tiles(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int
             _mm_prefetch(ahead + sk * 2 + nt * 32, _MM_HINT_T0);
           }
           const __mmask16 cm = mask16(cols - nt * 16);
-          __m256i lo = k0 < K ? _mm256_maskz_loadu_epi16(cm, src + k0 * sk + nt * 16) : _mm256_setzero_si256();
-          __m256i hi = k0 + 1 < K ? _mm256_maskz_loadu_epi16(cm, src + (k0 + 1) * sk + nt * 16) : _mm256_setzero_si256();
+          __m256i lo = k0 < K ? masked_load_epi16x16(cm, src + k0 * sk + nt * 16) : _mm256_setzero_si256();
+          __m256i hi = k0 + 1 < K ? masked_load_epi16x16(cm, src + (k0 + 1) * sk + nt * 16) : _mm256_setzero_si256();
           _mm512_storeu_si512(dst + (nt * ks + s) * kTileElems + r * 32,
                               _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
         }
@@ -509,7 +555,7 @@ void pack_vnni_tiles(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int
         __m512 w[16];
         for (int64_t c = 0; c < 16; ++c) {
           const int64_t n = nt * 16 + c;
-          w[c] = n < cols ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(km, src + n * sn + s * 32))
+          w[c] = n < cols ? _mm512_castsi512_ps(masked_load_epi16x32(km, src + n * sn + s * 32))
                           : _mm512_setzero_ps();
         }
         transpose16(w);
@@ -598,7 +644,7 @@ inline bool stream_f32x16(const Task& t, const void* p, int64_t cols_left) {
 // One row piece of up to 32 bf16 (the columns in cm) at p: streamed (nt: all 32, line-aligned).
 inline void put_bf16x32(uint16_t* p, __m512i v, __mmask32 cm, bool nt) {
   if (nt) _mm512_stream_si512((__m512i*)p, v);
-  else _mm512_mask_storeu_epi16(p, cm, v);
+  else masked_store_epi16x32(p, cm, v);
 }
 
 // Writes rows [0, rows) x columns [0, cols) of an fp32 block (row stride ldb) plus bias to C at
@@ -675,7 +721,7 @@ void store_block_transposed(const Task& t, int64_t row0, int64_t col0, const flo
         __m512 v = _mm512_add_ps(r[j], bv);
         TO* crow = c + (row0 + j0 + j) * t.c_sm + (col0 + i0) * t.c_sn;
         if (O == Dt::bf16 && t.c_sn == 1) {
-          _mm256_mask_storeu_epi16(crow, cm, f32_to_bf16x16_amx(v));
+          masked_store_epi16x16((uint16_t*)crow, cm, f32_to_bf16x16_amx(v));
         } else {
           put16_f32<O>(crow, t.c_sn, v, cols - i0);
         }
@@ -966,7 +1012,7 @@ void fma_pack_a(const Task& t, const Item& it, S* dst, int64_t lda) {
           }
           transpose16(v);
           for (int64_t x = 0; x < imin(16, rows - r0); ++x) {
-            _mm512_mask_storeu_ps((float*)dst + (r0 + x) * lda + k0, mask16(K - k0), v[x]);
+            masked_store_ps((float*)dst + (r0 + x) * lda + k0, mask16(K - k0), v[x]);
           }
         }
       }
@@ -983,7 +1029,7 @@ void fma_pack_a(const Task& t, const Item& it, S* dst, int64_t lda) {
     if constexpr (f32_lanes) {
       if (t.a_sk == 1) {
         for (int64_t k = 0; k < K; k += 16) {
-          _mm512_mask_storeu_ps((float*)d + k, mask16(K - k), load16_f32<D>(a + r * t.a_sm + k, mask16(K - k)));
+          masked_store_ps((float*)d + k, mask16(K - k), load16_f32<D>(a + r * t.a_sm + k, mask16(K - k)));
         }
         continue;
       }
@@ -1029,7 +1075,7 @@ void fma_pack_b_f64(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t n
   for (int64_t k = 0; k < kc; ++k) {
     if (t.b_sn == 1) {
       for (int64_t j = 0; j < 32; j += 8) {
-        _mm512_store_pd(dst + k * 32 + j, j < nc ? _mm512_maskz_loadu_pd(mask8(nc - j), b + k * t.b_sk + j) : _mm512_setzero_pd());
+        _mm512_store_pd(dst + k * 32 + j, j < nc ? masked_load_pd(mask8(nc - j), b + k * t.b_sk + j) : _mm512_setzero_pd());
       }
     } else {
       for (int64_t j = 0; j < 32; ++j) dst[k * 32 + j] = j < nc ? b[k * t.b_sk + j * t.b_sn] : 0.0;
@@ -1064,7 +1110,7 @@ void fma_pack_b_rows(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t 
       double* d = dst + (sb * kc + k) * 32;
       for (int64_t j = 0; j < 32; j += 8) {
         const int64_t c = sb * 32 + j;
-        _mm512_store_pd(d + j, c < wc ? _mm512_maskz_loadu_pd(mask8(wc - c), row + c) : _mm512_setzero_pd());
+        _mm512_store_pd(d + j, c < wc ? masked_load_pd(mask8(wc - c), row + c) : _mm512_setzero_pd());
       }
     }
   }
@@ -1112,7 +1158,7 @@ inline void fma_store(const Task& t, int64_t row0, int64_t col0, int64_t nc, __m
       if (j * 8 >= nc) break;
       const __m512d v = _mm512_add_pd(acc[i][j], _mm512_load_pd(bias + 8 * j));
       if (t.c_sn == 1) {
-        _mm512_mask_storeu_pd(crow + 8 * j, mask8(nc - 8 * j), v);
+        masked_store_pd(crow + 8 * j, mask8(nc - 8 * j), v);
       } else {
         alignas(64) double tmp[8];
         _mm512_store_pd(tmp, v);
