@@ -42,6 +42,12 @@ def check_case(impl, case: Case, *, check_offs=True):
     _check_exact_zeros(out, case, offs)
 
 
+def _empty_groups(offs):
+    """[G] bool: the groups with no rows (K indices, columns)."""
+    ends = offs.to(torch.int64)
+    return torch.diff(ends, prepend=ends.new_zeros(1)) == 0
+
+
 def _check_exact_zeros(out, case, offs):
     if offs is None:
         return
@@ -51,8 +57,7 @@ def _check_exact_zeros(out, case, offs):
     elif case.layout == "3d2d":
         outside = out[:, gid < 0]
     else:  # 2d2d: the slices of empty groups
-        sizes = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1).to(torch.int64))
-        outside = out[sizes == 0]
+        outside = out[_empty_groups(offs)]
     assert torch.count_nonzero(outside) == 0, "rows/columns outside every group must be exactly zero"
 
 
@@ -71,9 +76,8 @@ def _poison_outside_groups(case: Case, a, b, bias, offs):
     mat_b), and the weights (and bias) of empty groups. MoE code hands such memory over as is:
     token buffers padded with torch.empty, uninitialised expert slots."""
     a, b, bias = a.clone(), b.clone(), None if bias is None else bias.clone()
-    ends = offs.to(torch.int64)
-    last = int(ends[-1])
-    empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
+    last = int(offs[-1])
+    empty = _empty_groups(offs)
     if case.layout == "2d3d":
         a[last:] = float("nan")
         b[empty] = float("inf")

@@ -223,9 +223,8 @@ Tensor tangent_of(const Tensor& a, const Tensor& b, const std::optional<Tensor>&
   const Tensor a_p = a._fw_primal(0), b_p = b._fw_primal(0);
   const Tensor& t_a_raw = a._fw_grad(0);
   const Tensor& t_b = b._fw_grad(0);
-  const std::optional<Tensor> t_bias = bias.has_value() && bias->defined() && bias->_fw_grad(0).defined()
-                                           ? std::optional<Tensor>(bias->_fw_grad(0))
-                                           : std::nullopt;
+  const Tensor t_bias_raw = bias.has_value() && bias->defined() ? bias->_fw_grad(0) : Tensor();
+  const std::optional<Tensor> t_bias = t_bias_raw.defined() ? std::optional<Tensor>(t_bias_raw) : std::nullopt;
   const Tensor t_a = t_a_raw.defined() || !t_bias ? t_a_raw : at::zeros_like(a_p);
   const bool low = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
   const std::optional<at::ScalarType> acc = low ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;

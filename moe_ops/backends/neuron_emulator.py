@@ -609,15 +609,15 @@ def tensor_copy_predicated(dst: Tensor, src, predicate: Tensor, reverse_pred=Fal
             raise EmulatorError(f"tensor_copy_predicated: src {src.dtype} and dst {dst.dtype} dtypes differ")
         if _partitions(src) != _partitions(dst) or _per_partition(src) != _per_partition(dst):
             raise EmulatorError(f"tensor_copy_predicated: src {src.shape} and dst {dst.shape} differ")
-        values = _flat2d(src, "tensor_copy_predicated src")
+        values, src_dtype = _flat2d(src, "tensor_copy_predicated src"), src.dtype
     else:
-        if (dst.dtype in _INT_DTYPES) != isinstance(src, int):
+        integer = dst.dtype in _INT_DTYPES
+        if integer != isinstance(src, int):
             raise EmulatorError(f"tensor_copy_predicated: scalar {src!r} does not match dst dtype {dst.dtype}")
-        values = np.full(take.shape, src, dtype=np.float64 if dst.dtype not in _INT_DTYPES else np.int64)
+        values = np.full(take.shape, src, dtype=np.int64 if integer else np.float64)
+        src_dtype = dst.dtype if integer else "float32"
     addr, _ = _addresses(dst)
-    _write(dst, values, dst.dtype if isinstance(src, Tensor) else ("float32" if dst.dtype not in _INT_DTYPES
-                                                                   else dst.dtype),
-           mask=take.reshape(dst.shape), addr=addr)
+    _write(dst, values, src_dtype, mask=take.reshape(dst.shape), addr=addr)
 
 
 isa = SimpleNamespace(
