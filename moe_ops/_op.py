@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.autograd.forward_ad as _fwAD
 
-from . import _contract, reference
+from . import _batching, _contract, reference
 from ._contract import LAYOUT_2D2D, LAYOUT_2D3D, LAYOUT_3D2D, LAYOUT_3D3D
 
 log = logging.getLogger("moe_ops")
@@ -357,3 +357,22 @@ try:
 except RuntimeError:
     log.info("moe_ops: %s; the op uses its Python Autograd kernel", _Autograd.why_not_cpp)
     use_autograd("python")
+
+
+_batching_lib: list = []
+
+
+def use_batching_rule(enabled: bool = True) -> None:
+    """Registers (or removes) the op's batching rule (_batching.py): vmap, and the transforms that
+    map over a batch (jacrev, jacfwd, hessian, per-sample gradients), fold a batch into one call
+    of the op. Without it torch calls the op once per batch element (and warns); the benchmark
+    (benchmarks/vmap.py) and the tests compare the two."""
+    if enabled and not _batching_lib:
+        lib = torch.library.Library("moe", "IMPL")
+        torch.library.register_vmap(OP_NAME, _batching.grouped_mm_vmap, lib=lib)
+        _batching_lib.append(lib)
+    elif not enabled and _batching_lib:
+        _batching_lib.pop()._destroy()
+
+
+use_batching_rule()

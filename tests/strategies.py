@@ -71,6 +71,34 @@ def build(case: Case):
     return a, b, offs, bias, case.out_dtype
 
 
+def empty_groups(offs):
+    """[G] bool: the groups with no rows (K indices, columns)."""
+    ends = offs.to(torch.int64)
+    return torch.diff(ends, prepend=ends.new_zeros(1)) == 0
+
+
+def poison_outside_groups(case: Case, a, b, bias, offs):
+    """Copies of the operands with NaN / inf in every element that belongs to no group: rows
+    past offs[-1] (2Dx3D mat_a), K indices past it (2Dx2D, both operands), columns past it (3Dx2D
+    mat_b), and the weights (and bias) of empty groups. MoE code hands such memory over as is:
+    token buffers padded with torch.empty, uninitialised expert slots."""
+    a, b, bias = a.clone(), b.clone(), None if bias is None else bias.clone()
+    last = int(offs[-1])
+    empty = empty_groups(offs)
+    if case.layout == "2d3d":
+        a[last:] = float("nan")
+        b[empty] = float("inf")
+        if bias is not None:
+            bias[empty] = float("nan")
+    elif case.layout == "2d2d":
+        a[:, last:] = float("inf")
+        b[last:] = float("nan")
+    else:  # 3d2d
+        a[empty] = float("nan")
+        b[:, last:] = float("-inf")
+    return a, b, bias
+
+
 @st.composite
 def partitions(draw, G: int, extent: int, short: bool = False):
     """G cumulative group ends in [0, extent], drawn with replacement so that empty groups occur;

@@ -7,6 +7,8 @@ Categories:
 * the kernel that served: "cuda:triton" on sm_80+ (kernel_counts);
 * autograd on the device against the CPU reference; autocast casts on the device; repeated
   calls give bitwise identical results;
+* vmap (the batching rule): per-sample weights and routing in one call, no host sync, invalid
+  per-sample offs clamped sample by sample;
 * 64-bit indices for real: results of more than 2^31 elements (2Dx3D [M, N] and 2Dx2D [G, M, N]).
 The property suite covers the forward contract on the device (implementations "cuda" and
 "op@cuda" in tests/test_properties.py).
@@ -60,6 +62,28 @@ def test_no_host_sync_forward_and_backward():
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_vmap_without_host_sync():
+    """Samples with their own weights and offs (one invalid) are one call of the kernel, with no
+    host sync; each sample matches the CPU op with its clamped offs."""
+    a, b, _, _ = _problem(M=64, K=32, N=16, G=3, dtype=torch.float32)
+    xs = torch.stack([a, 2 * a, -a])
+    ws = torch.stack([b, -b, 0.5 * b])
+    rows = torch.tensor([[10, 10, 70], [-2, 30, 50], [0, 0, 64]], dtype=torch.int32)
+    run = torch.vmap(lambda x, w, o: moe_ops.grouped_mm(x, w, o))
+    run(xs.cuda(), ws.cuda(), rows.cuda())  # compiles the kernels outside the checked region
+    torch.cuda.synchronize()
+    moe_ops.reset_kernel_counts()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run(xs.cuda(), ws.cuda(), rows.cuda())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sum(moe_ops.kernel_counts().values()) == 1
+    clamped = _contract.sanitize_offs(rows, 64)
+    for s in range(3):
+        _close(out[s], moe_ops.grouped_mm(xs[s], ws[s], clamped[s]), 1e-5)
 
 
 def test_cuda_graph_follows_offs_on_device():

@@ -11,14 +11,13 @@ Categories:
   over grad and jvp;
 * with the Python Autograd kernel, torch.func's differentiating transforms raise a clear error
   (an autograd.Function cannot take functorch's route from inside the dispatcher), and vmap
-  without gradients still works.
+  without gradients still works. The batching rule itself: tests/test_vmap.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import pathlib
-import warnings
 
 import pytest
 import torch
@@ -154,9 +153,7 @@ def test_func_per_sample_gradients(cpp_autograd):
     batch = torch.randn(4, *a.shape, dtype=f64)
     op, ref = _fns(offs, True)
     loss = lambda f: lambda x, w: f(x, w, c).pow(2).sum()  # noqa: E731
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's per-example loop for ops without a batching rule
-        got = vmap(grad(loss(op), argnums=1), in_dims=(0, None))(batch, b)
+    got = vmap(grad(loss(op), argnums=1), in_dims=(0, None))(batch, b)
     want = torch.stack([grad(loss(ref), argnums=1)(x, b) for x in batch])
     _close(got, want)
 
@@ -197,9 +194,7 @@ def test_python_kernel_refuses_func_transforms_clearly():
         with pytest.raises(NotImplementedError, match="needs the op's C\\+\\+ Autograd kernel"):
             jvp(lambda x: op(x, b, c), (a,), (a,))
         batch = torch.randn(3, *a.shape, dtype=f64)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _close(vmap(lambda x: op(x, b, c))(batch), torch.stack([ref(x, b, c) for x in batch]))
+        _close(vmap(lambda x: op(x, b, c))(batch), torch.stack([ref(x, b, c) for x in batch]))
     finally:
         moe_ops._op.use_autograd(before)
 

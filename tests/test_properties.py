@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from conftest import implementations
 from oracle import group_ids, magnitude, oracle
 from moe_ops.testing import assert_close
-from strategies import Case, build, cases
+from strategies import Case, build, cases, empty_groups, poison_outside_groups
 
 pytestmark = pytest.mark.parametrize("impl", implementations())
 
@@ -42,12 +42,6 @@ def check_case(impl, case: Case, *, check_offs=True):
     _check_exact_zeros(out, case, offs)
 
 
-def _empty_groups(offs):
-    """[G] bool: the groups with no rows (K indices, columns)."""
-    ends = offs.to(torch.int64)
-    return torch.diff(ends, prepend=ends.new_zeros(1)) == 0
-
-
 def _check_exact_zeros(out, case, offs):
     if offs is None:
         return
@@ -57,7 +51,7 @@ def _check_exact_zeros(out, case, offs):
     elif case.layout == "3d2d":
         outside = out[:, gid < 0]
     else:  # 2d2d: the slices of empty groups
-        outside = out[_empty_groups(offs)]
+        outside = out[empty_groups(offs)]
     assert torch.count_nonzero(outside) == 0, "rows/columns outside every group must be exactly zero"
 
 
@@ -68,28 +62,6 @@ def test_matches_oracle(impl):
         check_case(impl, case)
 
     run()
-
-
-def _poison_outside_groups(case: Case, a, b, bias, offs):
-    """Copies of the operands with NaN / inf in every element that belongs to no group: rows
-    past offs[-1] (2Dx3D mat_a), K indices past it (2Dx2D, both operands), columns past it (3Dx2D
-    mat_b), and the weights (and bias) of empty groups. MoE code hands such memory over as is:
-    token buffers padded with torch.empty, uninitialised expert slots."""
-    a, b, bias = a.clone(), b.clone(), None if bias is None else bias.clone()
-    last = int(offs[-1])
-    empty = _empty_groups(offs)
-    if case.layout == "2d3d":
-        a[last:] = float("nan")
-        b[empty] = float("inf")
-        if bias is not None:
-            bias[empty] = float("nan")
-    elif case.layout == "2d2d":
-        a[:, last:] = float("inf")
-        b[last:] = float("nan")
-    else:  # 3d2d
-        a[empty] = float("nan")
-        b[:, last:] = float("-inf")
-    return a, b, bias
 
 
 def test_values_outside_every_group_are_never_read(impl):
@@ -105,7 +77,7 @@ def test_values_outside_every_group_are_never_read(impl):
         a, b, offs, bias, out_dtype = build(case)
         a, b, bias = a.clone(), b.clone(), None if bias is None else bias.clone()
         want = impl(a, b, offs, bias, out_dtype)
-        pa, pb, pbias = _poison_outside_groups(case, a, b, bias, offs)
+        pa, pb, pbias = poison_outside_groups(case, a, b, bias, offs)
         got = impl(pa, pb, offs, pbias, out_dtype)
         assert torch.equal(got, want), f"{impl.name} {case}: values outside every group reached the result"
 

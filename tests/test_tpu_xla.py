@@ -10,6 +10,8 @@ Categories:
   for all four layouts, fp32 and bf16, bias, out_dtype, empty groups and offs[-1] < M;
 * forward and backward match the float64 oracle within the one tolerance rule;
 * autocast on xla casts the inputs (the AutocastXLA key) before the XLA kernel;
+* vmap on xla: the batching rule's folded calls run on the XLA kernel, and per-sample offs that
+  are not a valid partition are clamped on the device (no host read), sample by sample;
 * new group sizes run the compiled XLA graph again (no new compilation), new shapes compile.
 """
 
@@ -124,6 +126,28 @@ def test_autocast_on_xla(dev):
     assert out.dtype == torch.bfloat16 and moe_ops.kernel_counts() == {XLA_KERNEL: 1}
     want = torch.ops.moe.grouped_mm(xa.to(torch.bfloat16), xb, xoffs)
     assert torch.equal(out.cpu(), want.cpu())
+
+
+def test_vmap_on_xla_clamps_offs_per_sample(dev):
+    """A batch of samples with their own weights and routing is one call of the XLA kernel; each
+    sample's offs are clamped to cummax(clamp(offs, 0, M)) before the samples are laid end to end
+    (an unclamped offs[-1] = M + 3 would reach into the next sample's rows)."""
+    gen = torch.Generator().manual_seed(4)
+    G, M, K, N = 3, 12, 16, 8
+    a = torch.randn(3, M, K, generator=gen)
+    b = torch.randn(3, G, K, N, generator=gen)
+    rows = torch.tensor([[2, 1, M + 3], [-1, 4, 9], [0, 0, M]], dtype=torch.int32)
+    moe_ops.reset_kernel_counts()
+    out = torch.vmap(lambda x, w, o: torch.ops.moe.grouped_mm(x, w, o))(*_on(dev, a, b, rows))
+    assert moe_ops.kernel_counts() == {XLA_KERNEL: 1}
+    clamped = torch.cummax(rows.clamp(0, M), 1).values
+    for s in range(3):
+        _check(out[s], a[s], b[s], clamped[s], None, None, f"sample {s}")
+    moe_ops.reset_kernel_counts()
+    shared = torch.vmap(lambda x: torch.ops.moe.grouped_mm(x, b[0].to(dev), rows[1].to(dev)))(a.to(dev))
+    assert moe_ops.kernel_counts() == {XLA_KERNEL: 1}
+    for s in range(3):
+        _check(shared[s], a[s], b[0], clamped[1], None, None, f"shared weights, sample {s}")
 
 
 def _compiles() -> int:

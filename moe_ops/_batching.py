@@ -1,0 +1,174 @@
+"""The op's batching rule: ``torch.vmap`` over ``moe::grouped_mm`` in one call of the op.
+
+vmap is also how torch.func builds jacrev, jacfwd, hessian and per-sample gradients (it maps
+the backward over a batch of cotangents, or the jvp over a batch of tangents). Without a rule
+torch calls the op once per batch element, and warns. The op is linear in each matrix, so a
+batch folds into a dimension of the problem and the whole batch is one call of the op:
+
+* one matrix batched, offs unbatched (vmap over inputs with shared weights, jacrev's
+  cotangents, jacfwd's tangents): the batch joins a free dimension of that matrix, M of mat_a
+  or N of mat_b. Where that dimension is the ragged one (M of 2Dx3D, N of 3Dx2D) the batch is
+  interleaved (index i * B + s) and offs scaled by B, so group g's slice of every sample stays
+  one slice. A batched bias goes with a batched mat_b (bias [G, N] joins N).
+* both matrices batched (ensembles, per-sample gradients' weight gradient, per-sample routing
+  with per-sample weights), offs batched or not: the samples become blocks of the ragged
+  dimension and their groups one list of B x G groups, offs of sample s shifted by s x extent.
+  A sample's trailing part (past its last group end) would land in the next sample's first
+  group: for 2Dx3D and 3Dx2D its rows / columns are set to zero afterwards (selected, so
+  whatever they computed is dropped); for 2Dx2D, whose trailing K indices would add into the
+  next sample's first group, each sample gets one extra group that absorbs them and is dropped.
+* anything else (a batched offs or bias with an unbatched matrix): one call per batch element,
+  as torch's fallback does, without its warning. Folding would copy the unbatched matrix B
+  times (expert weights, usually), which can cost more than the calls.
+
+Shapes and offs values are checked per sample (the messages name the sample's shapes), with
+the op's rules: offs values validated on CPU and in checked mode, else clamped on the device as
+every kernel does (``_contract.sanitize_offs``), before they are shifted or scaled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from . import _contract
+from ._contract import LAYOUT_2D2D, LAYOUT_2D3D, LAYOUT_3D2D, LAYOUT_3D3D
+
+
+def _sample(t, dim):
+    """One sample's view of t (batch dimension ``dim``, or None: unbatched)."""
+    return t if t is None or dim is None else t.select(dim, 0)
+
+
+def _meta_sample(t, dim):
+    """A metadata-only stand-in for one sample of t, for a batch of size 0 (which has none)."""
+    if t is None:
+        return None
+    shape = list(t.shape)
+    if dim is not None:
+        del shape[dim]
+    return torch.empty(shape, dtype=t.dtype, device="meta")
+
+
+def _major(t, dim, d):
+    """t's batch (at ``dim``) merged into per-sample dimension d as its major part: index s * size + i."""
+    return t.movedim(dim, d).flatten(d, d + 1)
+
+
+def _minor(t, dim, d):
+    """t's batch merged into per-sample dimension d as its minor part: index i * B + s."""
+    return t.movedim(dim, d + 1).flatten(d, d + 1)
+
+
+def _values_readable(offs) -> bool:
+    """Whether offs values are checked here: on CPU and in checked mode, as the op does, but
+    not while torch.compile traces (fake tensors have no values)."""
+    if torch.compiler.is_compiling() or is_fake(offs):
+        return False
+    return offs.device.type == "cpu" or _contract.checked_mode()
+
+
+def _offs_rows(offs, offs_dim, batch, extent):
+    """[B, G] int64 offs per sample, checked (CPU, checked mode) or clamped (elsewhere)."""
+    rows = offs.movedim(offs_dim, 0) if offs_dim is not None else offs.expand(batch, offs.shape[0])
+    if _values_readable(rows):
+        for s, values in enumerate((rows if offs_dim is not None else rows[:1]).tolist()):  # one read
+            try:
+                _contract.check_offs_list(values, extent)
+            except ValueError as e:
+                raise ValueError(f"{e} (sample {s} of the vmapped batch)" if offs_dim is not None else str(e)) from None
+    else:
+        rows = _contract.sanitize_offs(rows, extent)
+    return rows.to(torch.int64)
+
+
+def _checked_offs(offs, extent):
+    """Unbatched offs as the op would compute with them, in int64 (it is about to be scaled)."""
+    if _values_readable(offs):
+        _contract.check_offs_values(offs, extent)
+    else:
+        offs = _contract.sanitize_offs(offs, extent)
+    return offs.to(torch.int64)
+
+
+def _shifted(rows, extent):
+    """[B, G] offs -> [B * G] offs of the samples laid end to end, each ``extent`` long."""
+    starts = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int64) * extent
+    return (rows + starts[:, None]).flatten()
+
+
+def _zero_past(out, rows, dim):
+    """out (a new tensor, batch at 0), with the indices of dimension ``dim`` at or past each
+    sample's last group end rows[:, -1] set to zero, in place (selected: whatever they computed,
+    NaN included, is dropped)."""
+    index = torch.arange(out.shape[dim], device=out.device)
+    past = index[None, :] >= rows[:, -1:]  # [B, extent]
+    shape = [1] * out.dim()
+    shape[0], shape[dim] = past.shape
+    return out.masked_fill_(past.view(shape), 0)
+
+
+def _loop(op, batch, in_dims, args, out_dtype):
+    outs = []
+    for s in range(batch):
+        sample = [t if t is None or d is None else t.select(d, s) for t, d in zip(args, in_dims)]
+        outs.append(op(*sample, out_dtype))
+    return torch.stack(outs), 0
+
+
+def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """The batching rule: (result, its batch dimension) for a batch of ``info.batch_size``."""
+    # The dispatcher leaves out trailing arguments that hold their defaults.
+    in_dims = (*in_dims, None, None, None)[:4]
+    a_dim, b_dim, offs_dim, bias_dim = in_dims
+    batch = info.batch_size
+    op = torch.ops.moe.grouped_mm
+    one = _sample if batch > 0 else _meta_sample
+    p = _contract.check_args(one(mat_a, a_dim), one(mat_b, b_dim), one(offs, offs_dim), one(bias, bias_dim), out_dtype)
+    if batch == 0:
+        return mat_a.new_zeros((0, *p.out_shape), dtype=p.out_dtype), 0
+    layout, G = p.layout, p.G
+    a_b, b_b = a_dim is not None, b_dim is not None
+
+    if a_b and b_b:
+        rows = None if offs is None else _offs_rows(offs, offs_dim, batch, p.extent)
+        a = _major(mat_a, a_dim, 1 if layout == LAYOUT_2D2D else 0)
+        b = _major(mat_b, b_dim, 0)
+        if bias is not None:
+            bias = _major(bias, bias_dim, 0) if bias_dim is not None else bias.repeat(batch, 1)
+        if layout == LAYOUT_2D3D:
+            out = op(a, b, _shifted(rows, p.M), bias, out_dtype).unflatten(0, (batch, p.M))
+            return _zero_past(out, rows, 1), 0
+        if layout == LAYOUT_3D3D:
+            return op(a, b, None, bias, out_dtype).unflatten(0, (batch, G)), 0
+        if layout == LAYOUT_3D2D:
+            b = _major(mat_b, b_dim, 1)
+            out = op(a, b, _shifted(rows, p.N), None, out_dtype).unflatten(1, (batch, p.N)).movedim(1, 0)
+            return _zero_past(out, rows, 2), 0
+        # 2Dx2D: one extra group per sample, ending at the sample's end, absorbs its tail.
+        ends = torch.full((batch, 1), p.K, dtype=torch.int64, device=rows.device)
+        out = op(a, b, _shifted(torch.cat([rows, ends], 1), p.K), None, out_dtype)
+        return out.unflatten(0, (batch, G + 1))[:, :G], 0
+
+    if offs_dim is None and (a_b and bias_dim is None or b_b):
+        if layout == LAYOUT_2D3D and a_b:
+            offs = _checked_offs(offs, p.M) * batch
+            return op(_minor(mat_a, a_dim, 0), mat_b, offs, bias, out_dtype).unflatten(0, (p.M, batch)), 1
+        if layout == LAYOUT_3D2D and b_b:
+            offs = _checked_offs(offs, p.N) * batch
+            return op(mat_a, _minor(mat_b, b_dim, 1), offs, None, out_dtype).unflatten(1, (p.N, batch)), 2
+        if a_b:  # the batch joins M
+            a = _major(mat_a, a_dim, 0 if layout == LAYOUT_2D2D else 1)
+            out = op(a, mat_b, offs, bias, out_dtype)
+            if layout == LAYOUT_3D2D:
+                return out.unflatten(0, (batch, p.M)), 0
+            return out.unflatten(1, (batch, p.M)), 1
+        # the batch joins N
+        d = 1 if layout in (LAYOUT_2D2D, LAYOUT_3D2D) else 2
+        if bias is not None:
+            bias = _major(bias, bias_dim, 1) if bias_dim is not None else bias.repeat(1, batch)
+        out = op(mat_a, _major(mat_b, b_dim, d), offs, bias, out_dtype)
+        n_dim = out.dim() - 1
+        return out.unflatten(n_dim, (batch, p.N)), n_dim
+
+    return _loop(op, batch, in_dims, (mat_a, mat_b, offs, bias), out_dtype)

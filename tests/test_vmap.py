@@ -1,0 +1,210 @@
+"""torch.vmap over the op: its batching rule (moe_ops/_batching.py).
+
+Categories:
+* property: random problems of every layout and dtype, a random subset of the arguments
+  batched (mat_a, mat_b, offs, bias) at a random position, per-sample partitions with empty
+  groups and tails; NaN / inf in every element outside a sample's groups. Every sample of the
+  result matches the float64 oracle of that sample within the shared tolerance, is exactly zero
+  outside its groups, and the batch costs one call of the op where the rule folds it (else one
+  per sample);
+* offs values per sample: checked on CPU with the op's messages; a batch of size 0;
+* jacrev / jacfwd / per-sample gradients are a few calls of the op, not one per basis vector;
+* torch.compile over vmap, where offs cannot be read while tracing and are clamped instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.func import grad, jacfwd, jacrev, vmap
+
+import moe_ops
+from moe_ops.testing import assert_close
+from oracle import group_ids, magnitude, oracle
+from strategies import Case, build, cases, empty_groups, partitions, poison_outside_groups
+
+ARGS = ("mat_a", "mat_b", "offs", "bias")
+
+
+def _replace(case, **kw):
+    return Case(**{**case.__dict__, **kw})
+
+
+def folds(batched) -> bool:
+    """Whether the rule computes the batch in one call (see _batching.py)."""
+    a, b = "mat_a" in batched, "mat_b" in batched
+    return (a and b) or ("offs" not in batched and ((a and "bias" not in batched) or b))
+
+
+@st.composite
+def batched_problems(draw):
+    case = draw(cases(max_m=24, max_k=16, max_n=16, max_g=5, allow_big_g=False))
+    present = [n for n, t in zip(ARGS, (1, 1, case.offs, case.bias or None)) if t is not None]
+    batched = draw(st.sets(st.sampled_from(present), min_size=1))
+    dims = {n: draw(st.sampled_from((0, -1))) for n in batched}
+    size = draw(st.integers(1, 3))
+    offs = [draw(partitions(case.G, case.extent)) for _ in range(size)] if "offs" in batched else None
+    return case, dims, size, offs
+
+
+def _samples(case, dims, size, offs):
+    """Per sample: (its case, its clean arguments, the arguments with NaN / inf outside its
+    groups). Unbatched arguments are shared; the shared ones are poisoned only where every
+    sample's groups leave them unused (offs unbatched)."""
+    base = build(case)
+    out = []
+    for s in range(size):
+        cs = _replace(case, seed=case.seed + 1 + s, offs=offs[s] if offs else case.offs)
+        own = build(cs)
+        clean = [own[i] if n in dims else base[i] for i, n in enumerate(ARGS)]
+        clean[2] = own[2]  # the sample's offs (the shared ones when offs is unbatched)
+        poisoned = list(clean)
+        if clean[2] is not None:
+            pa, pb, pbias = poison_outside_groups(cs, clean[0], clean[1], clean[3], clean[2])
+            for i, p in ((0, pa), (1, pb), (3, pbias)):
+                if ARGS[i] in dims or "offs" not in dims:
+                    poisoned[i] = p
+        out.append((cs, clean, poisoned))
+    return out
+
+
+def _stack(tensors, dim):
+    return torch.stack(tensors, dim if dim == 0 else tensors[0].dim())
+
+
+def _exact_zeros(out, case, offs):
+    if offs is None:
+        return
+    gid = group_ids(offs, case.extent)
+    outside = {"2d3d": lambda: out[gid < 0], "3d2d": lambda: out[:, gid < 0]}.get(
+        case.layout, lambda: out[empty_groups(offs)])()
+    assert torch.count_nonzero(outside) == 0, "outside every group must be exactly zero"
+
+
+def check_batch(case, dims, size, offs):
+    """vmap over one batch against the oracle of every sample, and its number of op calls."""
+    samples = _samples(case, dims, size, offs)
+    args = []
+    for i, name in enumerate(ARGS):
+        if name in dims:
+            args.append(_stack([p[i] for _, _, p in samples], dims[name]))
+        else:
+            args.append(samples[0][2][i])
+    in_dims = tuple(dims.get(n) if args[i] is not None else None for i, n in enumerate(ARGS))
+    moe_ops.reset_kernel_counts()
+    got = vmap(lambda a, b, o, c: moe_ops.grouped_mm(a, b, o, c, case.out_dtype), in_dims=in_dims)(*args)
+    calls = sum(moe_ops.kernel_counts().values())
+    assert calls == (1 if folds(dims) else size), f"{calls} calls for a batch of {size} ({sorted(dims)} batched)"
+    for s, (cs, clean, _) in enumerate(samples):
+        a, b, o, c = clean
+        what = f"sample {s} of {case} with {dims} batched"
+        assert_close(got[s], oracle(a, b, o, c, case.out_dtype), oracle(a, b, o, c, case.out_dtype, exact=False),
+                     magnitude(a, b, o, c), what=what)
+        _exact_zeros(got[s], cs, o)
+
+
+@settings(max_examples=max(60, settings().max_examples))
+@given(problem=batched_problems())
+def test_vmap_matches_the_oracle_per_sample(problem):
+    check_batch(*problem)
+
+
+def _every_batching():
+    """Every layout with every non-empty subset of its arguments batched (at dim 0 or last)."""
+    for layout, G, offs, bias in (("2d3d", 3, (2, 2, 5), True), ("2d2d", 3, (1, 1, 3), False),
+                                  ("3d3d", 3, None, True), ("3d2d", 3, (0, 3, 4), False)):
+        present = [n for n, t in zip(ARGS, (1, 1, offs, bias or None)) if t is not None]
+        for mask in range(1, 2 ** len(present)):
+            batched = [n for i, n in enumerate(present) if mask >> i & 1]
+            yield pytest.param(layout, G, offs, bias, batched, id=f"{layout}-{'+'.join(batched)}")
+
+
+@pytest.mark.parametrize("layout,G,offs,bias,batched", list(_every_batching()))
+def test_every_batching_of_every_layout(layout, G, offs, bias, batched):
+    """Each path of the rule with tails and empty groups in every sample but the last (whose
+    tail ends the folded problem and would hide a missing one) and NaN / inf outside them."""
+    case = Case(layout, G, 7, 5, 6, torch.float64, offs, torch.int64, "contiguous", "transposed", bias, None, 11)
+    dims = {n: (0 if i % 2 == 0 else -1) for i, n in enumerate(batched)}
+    rows = None
+    if "offs" in batched:
+        e = case.extent
+        rows = [(1, 1, e - 2), (0, e - 1, e - 1), (2, 3, e)]
+    check_batch(case, dims, 3, rows)
+
+
+def _problem(layout, size=3, dtype=torch.float64):
+    """A fixed batch: per-sample mat_a [size, ...], shared mat_b and offs (ragged layouts)."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    G, M, K, N = 3, 10, 6, 5
+    return {
+        "2d3d": (r(size, M, K), r(G, K, N), torch.tensor([2, 2, 7])),
+        "2d2d": (r(size, M, K), r(K, N), torch.tensor([1, 1, 4])),
+        "3d2d": (r(size, G, M, K), r(K, N), torch.tensor([0, 3, 4])),
+    }[layout]
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
+def test_offs_values_are_checked_per_sample(layout):
+    """CPU: each sample's offs are checked as the op checks them, with the sample's values in the
+    message, whether the batch is folded (shared offs scaled, samples' offs shifted) or looped."""
+    a, b, offs = _problem(layout)
+    extent = {"2d3d": 10, "2d2d": 6, "3d2d": 5}[layout]
+    bad = offs.clone()
+    bad[1] = extent + 1
+    with pytest.raises(ValueError, match=rf"offs\[1\] = {extent + 1} exceeds the extent {extent}\b"):
+        vmap(lambda x: moe_ops.grouped_mm(x, b, bad))(a)
+    rows = torch.stack([offs, bad])
+    with pytest.raises(ValueError, match=rf"offs\[1\] = {extent + 1} exceeds the extent {extent} .*\(sample 1 "):
+        vmap(lambda x, y, o: moe_ops.grouped_mm(x, y, o))(a[:2], torch.stack([b, b]), rows)  # folded
+    with pytest.raises(ValueError, match=rf"offs\[1\] = {extent + 1} exceeds the extent {extent}\b"):
+        vmap(lambda x, o: moe_ops.grouped_mm(x, b, o))(a[:2], rows)  # one call per sample
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
+def test_empty_batch(layout):
+    a, b, offs = _problem(layout, size=0)
+    want = moe_ops.grouped_mm(torch.zeros(a.shape[1:], dtype=a.dtype), b, offs).shape
+    assert vmap(lambda x: moe_ops.grouped_mm(x, b, offs))(a).shape == (0, *want)
+    bs = b.expand(0, *b.shape)
+    assert vmap(lambda x, y: moe_ops.grouped_mm(x, y, offs))(a, bs).shape == (0, *want)
+
+
+def test_jacobians_and_per_sample_gradients_are_a_few_calls():
+    """jacrev maps the backward over M x N cotangents and jacfwd the jvp over the tangents of
+    every weight: each mapped op call is one call of the op (torch's fallback made one per
+    basis vector: jacrev of a [10, 5] output 50 backward calls)."""
+    a, b, offs = _problem("2d3d")
+    x = a[0]
+    f = lambda x, w: moe_ops.grouped_mm(x, w, offs)  # noqa: E731
+    for jac, argnums, most in ((jacrev, 0, 2), (jacfwd, 1, 2)):
+        moe_ops.reset_kernel_counts()
+        got = jac(f, argnums=argnums)(x, b)
+        assert sum(moe_ops.kernel_counts().values()) <= most, (jac.__name__, moe_ops.kernel_counts())
+        want = jac(lambda x, w: oracle(x, w, offs), argnums=argnums)(x, b)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+    def loss(w, x):
+        return moe_ops.grouped_mm(x, w, offs).square().sum()
+
+    moe_ops.reset_kernel_counts()
+    got = vmap(grad(loss), in_dims=(None, 0))(b, a)
+    assert sum(moe_ops.kernel_counts().values()) == 2  # the forward, and the weight gradient
+    want = torch.stack([grad(lambda w: oracle(xs, w, offs).square().sum())(b) for xs in a])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_compiled_vmap():
+    """torch.compile traces the rule with fake tensors, which have no values: there the offs are
+    clamped (cummax(clamp(offs, 0, extent)), as on accelerators) instead of checked."""
+    a, b, offs = _problem("2d3d")
+    rows = torch.stack([offs, torch.tensor([3, 1, 12]), torch.tensor([0, 0, 10])])
+    f = vmap(lambda x, y, o: moe_ops.grouped_mm(x, y, o))
+    bs = torch.stack([b, 2 * b, -b])
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(a, bs, torch.stack([offs, offs, offs])), f(a, bs, torch.stack([offs] * 3)))
+    got = compiled(a, bs, rows)
+    clamped = torch.cummax(rows.clamp(0, 10), 1).values
+    torch.testing.assert_close(got, torch.stack([oracle(a[s], bs[s], clamped[s]) for s in range(3)]))
