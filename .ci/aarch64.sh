@@ -12,8 +12,8 @@ CXX=aarch64-linux-gnu-g++
 NM=aarch64-linux-gnu-nm
 SYSROOT_LIB=/usr/aarch64-linux-gnu/lib
 if ! command -v "$CXX" >/dev/null; then
-    apt-get install -y -q g++-aarch64-linux-gnu >/dev/null 2>&1 || {
-        echo "aarch64: cannot install the cross compiler (apt-get install g++-aarch64-linux-gnu)"; exit 2; }
+    { apt-get install -y -q g++-aarch64-linux-gnu || { apt-get update -q && apt-get install -y -q g++-aarch64-linux-gnu; }; } \
+        >/dev/null 2>&1 || { echo "aarch64: cannot install the cross compiler (apt-get install g++-aarch64-linux-gnu)"; exit 2; }
 fi
 version="$(python -c 'import torch; print(torch.__version__.split("+")[0])')"
 pyver="$(python -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"
