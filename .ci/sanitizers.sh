@@ -22,5 +22,5 @@ export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=lib
 export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # --capture=sys: a sanitizer's report goes to file descriptor 2, which pytest must not swallow.
-python -m pytest -q -p no:cacheprovider --capture=sys tests/test_cpu.py tests/test_autograd.py tests/test_func.py tests/test_errors.py \
+python -m pytest -q -p no:cacheprovider --capture=sys tests/test_cpu.py tests/test_autograd.py tests/test_func.py tests/test_vmap.py tests/test_errors.py \
     tests/test_properties.py -k "not test_properties or cpu"

@@ -123,6 +123,11 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
     a_dim, b_dim, offs_dim, bias_dim = in_dims
     batch = info.batch_size
     op = torch.ops.moe.grouped_mm
+    # vmap's layer runs before the Autocast kernel: apply its casts first, as it would per sample.
+    device_type = mat_a.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        mat_a, mat_b, bias = (_contract.autocast_cast(t, dtype) for t in (mat_a, mat_b, bias))
     one = _sample if batch > 0 else _meta_sample
     p = _contract.check_args(one(mat_a, a_dim), one(mat_b, b_dim), one(offs, offs_dim), one(bias, bias_dim), out_dtype)
     if batch == 0:

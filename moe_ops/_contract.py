@@ -191,6 +191,14 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
     return Problem(layout, G, M, K, N, dtype, out_dtype, acc_dtype, tuple(out_shape), extent)
 
 
+def autocast_cast(t, dtype):
+    """The autocast rule for one argument (README, "Autocast"): a floating tensor other than
+    float64 is cast to the autocast dtype ``dtype``; anything else is returned as it is."""
+    if t is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+        return t
+    return t.to(dtype)
+
+
 def check_offs_values(offs: torch.Tensor, extent: int) -> None:
     """Raise ValueError unless 0 <= offs[0] <= offs[1] <= ... <= extent. Reads values (host sync)."""
     check_offs_list(offs.tolist(), extent)

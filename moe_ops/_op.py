@@ -146,14 +146,9 @@ _AUTOCAST_DEVICE_TYPES = {
 def _autocast_kernel(device_type):
     def kernel(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         dtype = torch.get_autocast_dtype(device_type or torch._C._get_privateuse1_backend_name())
-
-        def cast(t):
-            if t is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
-                return t
-            return t.to(dtype)
-
+        cast = _contract.autocast_cast
         with torch._C._DisableAutocast():  # every autocast key excluded: the call below runs as is
-            return _OP(cast(mat_a), cast(mat_b), offs, cast(bias), out_dtype)
+            return _OP(cast(mat_a, dtype), cast(mat_b, dtype), offs, cast(bias, dtype), out_dtype)
 
     return kernel
 

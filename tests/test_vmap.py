@@ -7,7 +7,7 @@ Categories:
   result matches the float64 oracle of that sample within the shared tolerance, is exactly zero
   outside its groups, and the batch costs one call of the op where the rule folds it (else one
   per sample);
-* offs values per sample: checked on CPU with the op's messages; a batch of size 0;
+* offs values per sample: checked on CPU with the op's messages; a batch of size 0; autocast;
 * jacrev / jacfwd / per-sample gradients are a few calls of the op, not one per basis vector;
 * torch.compile over vmap, where offs cannot be read while tracing and are clamped instead.
 """
@@ -194,6 +194,21 @@ def test_jacobians_and_per_sample_gradients_are_a_few_calls():
     assert sum(moe_ops.kernel_counts().values()) == 2  # the forward, and the weight gradient
     want = torch.stack([grad(lambda w: oracle(xs, w, offs).square().sum())(b) for xs in a])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_vmap_under_autocast():
+    """fp32 activations with bf16 weights under torch.autocast: vmap's layer runs before the
+    Autocast kernel, so the rule casts as that kernel would; bit for bit the per-sample calls."""
+    a, b, offs = _problem("2d3d", dtype=torch.float32)
+    w = b.bfloat16()
+    rows = torch.stack([offs, torch.tensor([0, 5, 9]), torch.tensor([10, 10, 10])])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        folded = vmap(lambda x: moe_ops.grouped_mm(x, w, offs))(a)
+        looped = vmap(lambda x, o: moe_ops.grouped_mm(x, w, o))(a, rows)
+        want = [moe_ops.grouped_mm(x, w, o) for x, o in zip(a, rows)]
+        assert torch.equal(folded, torch.stack([moe_ops.grouped_mm(x, w, offs) for x in a]))
+    assert folded.dtype == torch.bfloat16
+    assert torch.equal(looped, torch.stack(want))
 
 
 def test_compiled_vmap():
