@@ -12,6 +12,8 @@ Cases (G=8 experts, K=N=64, 64 routed rows per sample unless said):
 * vmap forward: 32 samples through shared weights and routing (batched mat_a);
 * per-sample gradients: vmap(grad) of a squared loss over 32 samples, weight gradient per sample;
 * ensemble: 8 members, each with its own weights and routing (mat_a, mat_b and offs batched);
+* routed per sample: 32 samples through shared weights, each with its own routing (mat_a and
+  offs batched);
 * jacrev: the [64, 64] output's Jacobian with respect to the [64, 64] input (4096 cotangents);
 * jacfwd: the Jacobian with respect to the weights of a small layer (4 experts of 16 x 16).
 """
@@ -42,6 +44,7 @@ def _cases():
     offs = torch.tensor([8, 16, 16, 30, 40, 50, 60, 64])
     w, xs = r(8, 64, 64), r(32, 64, 64)
     ws, rows = r(8, 8, 64, 64), torch.sort(torch.randint(0, 65, (8, 8), generator=gen), 1).values
+    routes = torch.sort(torch.randint(0, 65, (32, 8), generator=gen), 1).values
     w_small, x_small, offs_small = r(4, 16, 16), r(8, 16), torch.tensor([2, 4, 6, 8])
 
     def loss(weights, x):
@@ -51,6 +54,7 @@ def _cases():
         "vmap forward (32 samples)": lambda: vmap(lambda x: op(x, w, offs))(xs),
         "per-sample gradients (32)": lambda: vmap(grad(loss), in_dims=(None, 0))(w, xs),
         "ensemble (8 members)": lambda: vmap(lambda x, v, o: op(x, v, o))(xs[:8], ws, rows),
+        "routed per sample (32)": lambda: vmap(lambda x, o: op(x, w, o))(xs, routes),
         "jacrev d out / d x": lambda: jacrev(lambda x: op(x, w, offs))(xs[0]),
         "jacfwd d out / d w (small)": lambda: jacfwd(lambda v: op(x_small, v, offs_small))(w_small),
     }

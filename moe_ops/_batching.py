@@ -17,9 +17,14 @@ batch folds into a dimension of the problem and the whole batch is one call of t
   group: for 2Dx3D and 3Dx2D its rows / columns are set to zero afterwards (selected, so
   whatever they computed is dropped); for 2Dx2D, whose trailing K indices would add into the
   next sample's first group, each sample gets one extra group that absorbs them and is dropped.
-* anything else (a batched offs or bias with an unbatched matrix): one call per batch element,
-  as torch's fallback does, without its warning. Folding would copy the unbatched matrix B
-  times (expert weights, usually), which can cost more than the calls.
+* 2Dx3D with a batched offs (each sample routed on its own) and shared weights: the rows of
+  all samples, sorted by group on the device, are one call with G groups, and the result is put
+  back in the samples' order; with batched weights and shared rows, mat_a is repeated per
+  sample and the blocks above apply.
+* anything else (a batched bias with only mat_a batched; a batched offs in the other layouts
+  with one matrix batched; only offs or bias batched): one call per batch element, as torch's
+  fallback does, without its warning. Folding there would copy the unbatched matrix B times
+  (expert weights, usually), which can cost more than the calls.
 
 Shapes and offs values are checked per sample (the messages name the sample's shapes), with
 the op's rules: offs values validated on CPU and in checked mode, else clamped on the device as
@@ -108,6 +113,25 @@ def _zero_past(out, rows, dim):
     return out.masked_fill_(past.view(shape), 0)
 
 
+def _sorted_rows(mat_a, a_dim, mat_b, rows, bias, out_dtype, p):
+    """2Dx3D with per-sample partitions and shared weights (vmap over sequences routed one by
+    one): the rows of all samples, sorted by group (stable, so sample by sample within a group)
+    and past every group at the end, are one call with G groups; the result is put back in the
+    samples' row order. On the device: no host sync."""
+    batch, M = rows.shape[0], p.M
+    index = torch.arange(M, device=rows.device, dtype=torch.int64).expand(batch, M).contiguous()
+    group = torch.searchsorted(rows, index, right=True).flatten()  # [B * M], G: past every group
+    order = torch.sort(group, stable=True).indices
+    counts = torch.zeros(p.G + 1, dtype=torch.int64, device=rows.device)
+    counts.scatter_add_(0, group, torch.ones_like(group))
+    # Indexing, not index_select: torch_xla 2.9 aborts (XLA:CPU, "Check failed: buffer !=
+    # nullptr") on index_select whose index is a sort's output as it stands.
+    out = torch.ops.moe.grouped_mm(_major(mat_a, a_dim, 0)[order], mat_b, torch.cumsum(counts[:-1], 0), bias,
+                                   out_dtype)
+    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return out[back].unflatten(0, (batch, M))
+
+
 def _loop(op, batch, in_dims, args, out_dtype):
     outs = []
     for s in range(batch):
@@ -134,6 +158,11 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
         return mat_a.new_zeros((0, *p.out_shape), dtype=p.out_dtype), 0
     layout, G = p.layout, p.G
     a_b, b_b = a_dim is not None, b_dim is not None
+    if layout == LAYOUT_2D3D and offs_dim is not None:
+        if a_b and not b_b and bias_dim is None:
+            return _sorted_rows(mat_a, a_dim, mat_b, _offs_rows(offs, offs_dim, batch, p.M), bias, out_dtype, p), 0
+        if b_b and not a_b:  # mat_a repeated: B x [M, K], no larger than a batched mat_a
+            mat_a, a_dim, a_b = mat_a.expand(batch, *mat_a.shape), 0, True
 
     if a_b and b_b:
         rows = None if offs is None else _offs_rows(offs, offs_dim, batch, p.extent)

@@ -65,25 +65,30 @@ def test_no_host_sync_forward_and_backward():
 
 
 def test_vmap_without_host_sync():
-    """Samples with their own weights and offs (one invalid) are one call of the kernel, with no
-    host sync; each sample matches the CPU op with its clamped offs."""
+    """Samples with their own weights and offs (one invalid) are one call of the kernel, and so
+    are samples with their own offs and shared weights, with no host sync; each sample matches
+    the CPU op with its clamped offs."""
     a, b, _, _ = _problem(M=64, K=32, N=16, G=3, dtype=torch.float32)
     xs = torch.stack([a, 2 * a, -a])
     ws = torch.stack([b, -b, 0.5 * b])
     rows = torch.tensor([[10, 10, 70], [-2, 30, 50], [0, 0, 64]], dtype=torch.int32)
     run = torch.vmap(lambda x, w, o: moe_ops.grouped_mm(x, w, o))
+    routed = torch.vmap(lambda x, o: moe_ops.grouped_mm(x, b.cuda(), o))  # shared weights: rows sorted
     run(xs.cuda(), ws.cuda(), rows.cuda())  # compiles the kernels outside the checked region
+    routed(xs.cuda(), rows.cuda())
     torch.cuda.synchronize()
     moe_ops.reset_kernel_counts()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = run(xs.cuda(), ws.cuda(), rows.cuda())
+        shared = routed(xs.cuda(), rows.cuda())
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert sum(moe_ops.kernel_counts().values()) == 1
+    assert sum(moe_ops.kernel_counts().values()) == 2
     clamped = _contract.sanitize_offs(rows, 64)
     for s in range(3):
         _close(out[s], moe_ops.grouped_mm(xs[s], ws[s], clamped[s]), 1e-5)
+        _close(shared[s], moe_ops.grouped_mm(xs[s], b, clamped[s]), 1e-5)
 
 
 def test_cuda_graph_follows_offs_on_device():

@@ -145,9 +145,11 @@ def test_vmap_on_xla_clamps_offs_per_sample(dev):
         _check(out[s], a[s], b[s], clamped[s], None, None, f"sample {s}")
     moe_ops.reset_kernel_counts()
     shared = torch.vmap(lambda x: torch.ops.moe.grouped_mm(x, b[0].to(dev), rows[1].to(dev)))(a.to(dev))
-    assert moe_ops.kernel_counts() == {XLA_KERNEL: 1}
+    routed = torch.vmap(lambda x, o: torch.ops.moe.grouped_mm(x, b[0].to(dev), o))(*_on(dev, a, rows))
+    assert moe_ops.kernel_counts() == {XLA_KERNEL: 2}
     for s in range(3):
         _check(shared[s], a[s], b[0], clamped[1], None, None, f"shared weights, sample {s}")
+        _check(routed[s], a[s], b[0], clamped[s], None, None, f"shared weights, own routing, sample {s}")
 
 
 def _compiles() -> int:

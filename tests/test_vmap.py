@@ -32,9 +32,11 @@ def _replace(case, **kw):
     return Case(**{**case.__dict__, **kw})
 
 
-def folds(batched) -> bool:
+def folds(batched, layout) -> bool:
     """Whether the rule computes the batch in one call (see _batching.py)."""
     a, b = "mat_a" in batched, "mat_b" in batched
+    if layout == "2d3d" and "offs" in batched:  # rows sorted by group; mat_a repeated
+        return (a and "bias" not in batched) or b
     return (a and b) or ("offs" not in batched and ((a and "bias" not in batched) or b))
 
 
@@ -96,7 +98,7 @@ def check_batch(case, dims, size, offs):
     moe_ops.reset_kernel_counts()
     got = vmap(lambda a, b, o, c: moe_ops.grouped_mm(a, b, o, c, case.out_dtype), in_dims=in_dims)(*args)
     calls = sum(moe_ops.kernel_counts().values())
-    assert calls == (1 if folds(dims) else size), f"{calls} calls for a batch of {size} ({sorted(dims)} batched)"
+    assert calls == (1 if folds(dims, case.layout) else size), f"{calls} calls for a batch of {size} ({sorted(dims)} batched)"
     for s, (cs, clean, _) in enumerate(samples):
         a, b, o, c = clean
         what = f"sample {s} of {case} with {dims} batched"
@@ -175,7 +177,8 @@ def test_empty_batch(layout):
 def test_jacobians_and_per_sample_gradients_are_a_few_calls():
     """jacrev maps the backward over M x N cotangents and jacfwd the jvp over the tangents of
     every weight: each mapped op call is one call of the op (torch's fallback made one per
-    basis vector: jacrev of a [10, 5] output 50 backward calls)."""
+    basis vector: jacrev of a [10, 5] output 50 backward calls); per-sample gradients too, with
+    shared or per-sample routing."""
     a, b, offs = _problem("2d3d")
     x = a[0]
     f = lambda x, w: moe_ops.grouped_mm(x, w, offs)  # noqa: E731
@@ -194,6 +197,20 @@ def test_jacobians_and_per_sample_gradients_are_a_few_calls():
     assert sum(moe_ops.kernel_counts().values()) == 2  # the forward, and the weight gradient
     want = torch.stack([grad(lambda w: oracle(xs, w, offs).square().sum())(b) for xs in a])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+    # Each sample routed on its own (as a per-sequence MoE layer under vmap is), input gradients
+    # too: the forward, d mat_a and d mat_b are one call each.
+    rows = torch.stack([offs, torch.tensor([0, 6, 6]), torch.tensor([4, 9, 10])])
+
+    def routed(w, x, o):
+        return moe_ops.grouped_mm(x, w, o).square().sum()
+
+    moe_ops.reset_kernel_counts()
+    got = vmap(grad(routed, argnums=(0, 1)), in_dims=(None, 0, 0))(b, a, rows)
+    assert sum(moe_ops.kernel_counts().values()) == 3
+    for s in range(3):
+        want = grad(lambda w, x: oracle(x, w, rows[s]).square().sum(), argnums=(0, 1))(b, a[s])
+        torch.testing.assert_close((got[0][s], got[1][s]), want, rtol=1e-10, atol=1e-10)
 
 
 def test_vmap_under_autocast():
