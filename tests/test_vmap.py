@@ -98,7 +98,8 @@ def check_batch(case, dims, size, offs):
     moe_ops.reset_kernel_counts()
     got = vmap(lambda a, b, o, c: moe_ops.grouped_mm(a, b, o, c, case.out_dtype), in_dims=in_dims)(*args)
     calls = sum(moe_ops.kernel_counts().values())
-    assert calls == (1 if folds(dims, case.layout) else size), f"{calls} calls for a batch of {size} ({sorted(dims)} batched)"
+    want_calls = 1 if folds(dims, case.layout) else size
+    assert calls == want_calls, f"{calls} calls for a batch of {size} ({sorted(dims)} batched)"
     for s, (cs, clean, _) in enumerate(samples):
         a, b, o, c = clean
         what = f"sample {s} of {case} with {dims} batched"
