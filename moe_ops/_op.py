@@ -12,6 +12,8 @@ Registration (measured on torch 2.13, see README "Design"), all through one
   Both set the forward-mode tangent (dual tensors); torch.func transforms need the C++ one;
 * an Autocast kernel per autocast key casts the floating inputs to the autocast dtype, as torch
   does for its matmuls;
+* a batching rule (``_batching.py``, ``use_batching_rule``) computes a vmapped call, and the
+  jacobians and per-sample gradients built on vmap, in one call of the op where it can;
 * device kernels are added per dispatch key through ``register_device_kernel`` (one file per
   backend under ``moe_ops/backends``), wrapped by ``kernel_entry`` which does the contract checks.
 """
