@@ -2,8 +2,8 @@
 
 Categories:
 * property: random problems of every layout and dtype, a random subset of the arguments
-  batched (mat_a, mat_b, offs, bias) at a random position, per-sample partitions with empty
-  groups and tails; NaN / inf in every element outside a sample's groups. Every sample of the
+  batched (mat_a, mat_b, offs, bias) at any position (either sign), per-sample partitions with
+  empty groups and tails; NaN / inf in every element outside a sample's groups. Every sample of the
   result matches the float64 oracle of that sample within the shared tolerance, is exactly zero
   outside its groups, and the batch costs one call of the op where the rule folds it (else one
   per sample);
@@ -45,7 +45,9 @@ def batched_problems(draw):
     case = draw(cases(max_m=24, max_k=16, max_n=16, max_g=5, allow_big_g=False))
     present = [n for n, t in zip(ARGS, (1, 1, case.offs, case.bias or None)) if t is not None]
     batched = draw(st.sets(st.sampled_from(present), min_size=1))
-    dims = {n: draw(st.sampled_from((0, -1))) for n in batched}
+    rank = {"mat_a": 2 if case.layout in ("2d3d", "2d2d") else 3, "mat_b": 3 if case.layout in ("2d3d", "3d3d") else 2,
+            "offs": 1, "bias": 2}
+    dims = {n: draw(st.integers(-rank[n] - 1, rank[n])) for n in batched}  # any position, either sign
     size = draw(st.integers(1, 3))
     offs = [draw(partitions(case.G, case.extent)) for _ in range(size)] if "offs" in batched else None
     return case, dims, size, offs
@@ -72,10 +74,6 @@ def _samples(case, dims, size, offs):
     return out
 
 
-def _stack(tensors, dim):
-    return torch.stack(tensors, dim if dim == 0 else tensors[0].dim())
-
-
 def _exact_zeros(out, case, offs):
     if offs is None:
         return
@@ -91,7 +89,7 @@ def check_batch(case, dims, size, offs):
     args = []
     for i, name in enumerate(ARGS):
         if name in dims:
-            args.append(_stack([p[i] for _, _, p in samples], dims[name]))
+            args.append(torch.stack([p[i] for _, _, p in samples], dims[name]))
         else:
             args.append(samples[0][2][i])
     in_dims = tuple(dims.get(n) if args[i] is not None else None for i, n in enumerate(ARGS))
