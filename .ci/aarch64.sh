@@ -36,18 +36,24 @@ trap 'rm -rf "$out"' EXIT
 common=(-std=c++20 -fPIC -D_GLIBCXX_USE_CXX11_ABI=1 -DTORCH_API_INCLUDE_EXTENSION_H
         "-DMOE_OPS_TORCH_VERSION=$wheel_version" -I"$T/include" -I"$T/include/torch/csrc/api/include"
         -I"$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')")
-build() {  # name, extra flags (one word), sources...
-    local name="$1" extra="$2"
+compile() {  # module name, extra flags (one word), source
+    "$CXX" -c "${common[@]}" -DTORCH_EXTENSION_NAME="$1" $2 "$3" -o "$out/$(basename "$3" .cpp).o"
+}
+link() {  # module name, extra flags (one word), sources...
+    local name="$1" extra="$2" objs=()
     shift 2
-    local objs=()
-    for src in "$@"; do
-        "$CXX" -c "${common[@]}" -DTORCH_EXTENSION_NAME="$name" $extra "$src" -o "$out/$(basename "$src" .cpp).o"
-        objs+=("$out/$(basename "$src" .cpp).o")
-    done
+    for src in "$@"; do objs+=("$out/$(basename "$src" .cpp).o"); done
     "$CXX" -shared $extra -o "$out/$name.so" "${objs[@]}" -L"$T/lib" -lc10 -ltorch -ltorch_cpu -ltorch_python
 }
-build _cpu "-O3 -fopenmp" csrc/cpu/grouped_mm.cpp csrc/cpu/kernels_x86.cpp csrc/cpu/output_cache.cpp
-build _autograd "-O2" csrc/autograd/grouped_mm_autograd.cpp
+cpu_sources=(csrc/cpu/grouped_mm.cpp csrc/cpu/kernels_x86.cpp csrc/cpu/output_cache.cpp)
+autograd_sources=(csrc/autograd/grouped_mm_autograd.cpp)
+# The four compiles side by side (most of the time is torch's headers).
+pids=()
+for src in "${cpu_sources[@]}"; do compile _cpu "-O3 -fopenmp" "$src" & pids+=($!); done
+compile _autograd "-O2" "${autograd_sources[0]}" & pids+=($!)
+for pid in "${pids[@]}"; do wait "$pid" || { echo "aarch64: a C++ source does not compile for aarch64 (above)"; exit 1; }; done
+link _cpu "-O3 -fopenmp" "${cpu_sources[@]}"
+link _autograd "-O2" "${autograd_sources[@]}"
 defined="$out/defined.txt"
 for lib in "$T"/lib/libc10.so "$T"/lib/libtorch.so "$T"/lib/libtorch_cpu.so "$T"/lib/libtorch_python.so \
            "$T"/lib/libgomp.so* "$SYSROOT_LIB"/libc.so.6 "$SYSROOT_LIB"/libm.so.6 "$SYSROOT_LIB"/libstdc++.so.6 \

@@ -120,7 +120,7 @@ def _sorted_rows(mat_a, a_dim, mat_b, rows, bias, out_dtype, p):
     samples' row order. On the device: no host sync."""
     batch, M = rows.shape[0], p.M
     index = torch.arange(M, device=rows.device, dtype=torch.int64).expand(batch, M).contiguous()
-    group = torch.searchsorted(rows, index, right=True).flatten()  # [B * M], G: past every group
+    group = torch.searchsorted(rows.contiguous(), index, right=True).flatten()  # [B * M], G: past every group
     order = torch.sort(group, stable=True).indices
     counts = torch.zeros(p.G + 1, dtype=torch.int64, device=rows.device)
     counts.scatter_add_(0, group, torch.ones_like(group))
