@@ -74,7 +74,8 @@ def _values_readable(offs) -> bool:
 
 
 def _offs_rows(offs, offs_dim, batch, extent):
-    """[B, G] int64 offs per sample, checked (CPU, checked mode) or clamped (elsewhere)."""
+    """[B, G] int64 offs per sample, checked (CPU, checked mode) or clamped (elsewhere); offs
+    unbatched (offs_dim None) is checked once and repeated."""
     rows = offs.movedim(offs_dim, 0) if offs_dim is not None else offs.expand(batch, offs.shape[0])
     if _values_readable(rows):
         for s, values in enumerate((rows if offs_dim is not None else rows[:1]).tolist()):  # one read
@@ -85,15 +86,6 @@ def _offs_rows(offs, offs_dim, batch, extent):
     else:
         rows = _contract.sanitize_offs(rows, extent)
     return rows.to(torch.int64)
-
-
-def _checked_offs(offs, extent):
-    """Unbatched offs as the op would compute with them, in int64 (it is about to be scaled)."""
-    if _values_readable(offs):
-        _contract.check_offs_values(offs, extent)
-    else:
-        offs = _contract.sanitize_offs(offs, extent)
-    return offs.to(torch.int64)
 
 
 def _shifted(rows, extent):
@@ -167,7 +159,7 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
     if a_b and b_b:
         rows = None if offs is None else _offs_rows(offs, offs_dim, batch, p.extent)
         a = _major(mat_a, a_dim, 1 if layout == LAYOUT_2D2D else 0)
-        b = _major(mat_b, b_dim, 0)
+        b = _major(mat_b, b_dim, 1 if layout == LAYOUT_3D2D else 0)
         if bias is not None:
             bias = _major(bias, bias_dim, 0) if bias_dim is not None else bias.repeat(batch, 1)
         if layout == LAYOUT_2D3D:
@@ -176,7 +168,6 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
         if layout == LAYOUT_3D3D:
             return op(a, b, None, bias, out_dtype).unflatten(0, (batch, G)), 0
         if layout == LAYOUT_3D2D:
-            b = _major(mat_b, b_dim, 1)
             out = op(a, b, _shifted(rows, p.N), None, out_dtype).unflatten(1, (batch, p.N)).movedim(1, 0)
             return _zero_past(out, rows, 2), 0
         # 2Dx2D: one extra group per sample, ending at the sample's end, absorbs its tail.
@@ -186,10 +177,10 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
 
     if offs_dim is None and (a_b and bias_dim is None or b_b):
         if layout == LAYOUT_2D3D and a_b:
-            offs = _checked_offs(offs, p.M) * batch
+            offs = _offs_rows(offs, None, 1, p.M)[0] * batch
             return op(_minor(mat_a, a_dim, 0), mat_b, offs, bias, out_dtype).unflatten(0, (p.M, batch)), 1
         if layout == LAYOUT_3D2D and b_b:
-            offs = _checked_offs(offs, p.N) * batch
+            offs = _offs_rows(offs, None, 1, p.N)[0] * batch
             return op(mat_a, _minor(mat_b, b_dim, 1), offs, None, out_dtype).unflatten(1, (p.N, batch)), 2
         if a_b:  # the batch joins M
             a = _major(mat_a, a_dim, 0 if layout == LAYOUT_2D2D else 1)

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from hypothesis import strategies as st
 
+from oracle import group_ids
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LAYOUTS = ("2d3d", "2d2d", "3d3d", "3d2d")
 # How an operand is laid out in memory: contiguous, a transposed view of the other order (e.g.
@@ -75,6 +77,21 @@ def empty_groups(offs):
     """[G] bool: the groups with no rows (K indices, columns)."""
     ends = offs.to(torch.int64)
     return torch.diff(ends, prepend=ends.new_zeros(1)) == 0
+
+
+def check_exact_zeros(out, case: Case, offs):
+    """Rows (2Dx3D) or columns (3Dx2D) outside every group, and the slices of empty 2Dx2D
+    groups, are exactly zero."""
+    if offs is None:
+        return
+    gid = group_ids(offs, case.extent)
+    if case.layout == "2d3d":
+        outside = out[gid < 0]
+    elif case.layout == "3d2d":
+        outside = out[:, gid < 0]
+    else:  # 2d2d: the slices of empty groups
+        outside = out[empty_groups(offs)]
+    assert torch.count_nonzero(outside) == 0, "rows/columns outside every group must be exactly zero"
 
 
 def poison_outside_groups(case: Case, a, b, bias, offs):

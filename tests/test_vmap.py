@@ -14,6 +14,8 @@ Categories:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,14 +24,10 @@ from torch.func import grad, jacfwd, jacrev, vmap
 
 import moe_ops
 from moe_ops.testing import assert_close
-from oracle import group_ids, magnitude, oracle
-from strategies import Case, build, cases, empty_groups, partitions, poison_outside_groups
+from oracle import magnitude, oracle
+from strategies import Case, build, cases, check_exact_zeros, partitions, poison_outside_groups
 
 ARGS = ("mat_a", "mat_b", "offs", "bias")
-
-
-def _replace(case, **kw):
-    return Case(**{**case.__dict__, **kw})
 
 
 def folds(batched, layout) -> bool:
@@ -60,7 +58,7 @@ def _samples(case, dims, size, offs):
     base = build(case)
     out = []
     for s in range(size):
-        cs = _replace(case, seed=case.seed + 1 + s, offs=offs[s] if offs else case.offs)
+        cs = replace(case, seed=case.seed + 1 + s, offs=offs[s] if offs else case.offs)
         own = build(cs)
         clean = [own[i] if n in dims else base[i] for i, n in enumerate(ARGS)]
         clean[2] = own[2]  # the sample's offs (the shared ones when offs is unbatched)
@@ -72,15 +70,6 @@ def _samples(case, dims, size, offs):
                     poisoned[i] = p
         out.append((cs, clean, poisoned))
     return out
-
-
-def _exact_zeros(out, case, offs):
-    if offs is None:
-        return
-    gid = group_ids(offs, case.extent)
-    outside = {"2d3d": lambda: out[gid < 0], "3d2d": lambda: out[:, gid < 0]}.get(
-        case.layout, lambda: out[empty_groups(offs)])()
-    assert torch.count_nonzero(outside) == 0, "outside every group must be exactly zero"
 
 
 def check_batch(case, dims, size, offs):
@@ -103,7 +92,7 @@ def check_batch(case, dims, size, offs):
         what = f"sample {s} of {case} with {dims} batched"
         assert_close(got[s], oracle(a, b, o, c, case.out_dtype), oracle(a, b, o, c, case.out_dtype, exact=False),
                      magnitude(a, b, o, c), what=what)
-        _exact_zeros(got[s], cs, o)
+        check_exact_zeros(got[s], cs, o)
 
 
 @settings(max_examples=max(60, settings().max_examples))
