@@ -505,6 +505,42 @@ def test_output_cache_in_a_forked_child():
     assert torch.equal(moe_ops.grouped_mm(a.t(), b, offs), want)
 
 
+def _lazy_free_bytes():
+    """Bytes of this process's memory marked MADV_FREE and not yet reclaimed or written again."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("LazyFree:"):
+                return int(line.split()[1]) << 10
+    pytest.skip("/proc/self/smaps_rollup has no LazyFree field")
+
+
+@needs_cache
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux's /proc/self/smaps_rollup")
+def test_output_cache_marks_only_idle_blocks_lazy_free():
+    """A freed block is not marked MADV_FREE when it goes back to the cache, nor at the next take
+    within a second (marking every freed block cost a steady loop ~15%); one left in the cache
+    for a second is, at the next take, so the OS may reclaim it; taken again and written, its
+    pages are ordinary again."""
+    moe_ops.empty_cpu_cache()
+    a, b, offs = torch.randn(16, 64), torch.randn(16, 16384), torch.arange(2, 17, 2)
+    out = moe_ops.grouped_mm(a.t(), b, offs)  # [8, 64, 16384] fp32: a 32 MiB block
+    block = out.nbytes
+    base = _lazy_free_bytes()
+    del out
+    assert _lazy_free_bytes() - base < block // 2, "a freed block was marked MADV_FREE at once"
+    other = moe_ops.grouped_mm(a.t(), b[:, :8192], offs)  # 16 MiB: a take of another size
+    assert _lazy_free_bytes() - base < block // 2, "a block free for less than a second was marked MADV_FREE"
+    time.sleep(1.2)
+    third = moe_ops.grouped_mm(a.t(), b[:, :12288], offs)  # 24 MiB: the next take marks the idle block
+    idle = _lazy_free_bytes()
+    assert idle - base >= block * 9 // 10, "a block idle for a second was not marked MADV_FREE"
+    out = moe_ops.grouped_mm(a.t(), b, offs)  # takes it back and writes it
+    assert idle - _lazy_free_bytes() >= block * 9 // 10, "a block written again still counts as lazily freed"
+    check(out, a.t(), b, offs, None, None)
+    del out, other, third
+    moe_ops.empty_cpu_cache()
+
+
 def test_output_cache_off_with_a_zero_limit():
     code = ("import torch, moe_ops, moe_ops._cpu\n"
             "out = moe_ops.grouped_mm(torch.randn(16, 64).t(), torch.randn(16, 8200), torch.arange(2, 17, 2))\n"

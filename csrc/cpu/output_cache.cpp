@@ -10,9 +10,9 @@
 // against 4.5 ms when glibc keeps the memory (MALLOC_MMAP_THRESHOLD_ raised).
 //
 // A freed output's block (its DataPtr's deleter runs on any thread) goes back to the cache, most
-// recently freed last, and is marked MADV_FREE (the OS may reclaim it under memory pressure); a
-// new output takes the most recent free block of the same size (rounded up to 2 MiB), or maps a
-// new one. Free blocks beyond the limit are unmapped, oldest first. The limit is
+// recently freed last; one that has waited there for kIdleSeconds is marked MADV_FREE (the OS
+// may then reclaim it under memory pressure) at the cache's next put or take. A new output takes
+// the most recent free block of the same size (rounded up to 2 MiB), or maps a new one. Free blocks beyond the limit are unmapped, oldest first. The limit is
 // MOE_OPS_CPU_CACHE_MB (read once; 0 turns the cache off), by default 1/16 of the machine's
 // memory and at most 1 GiB. cache_empty() (Python: moe_ops.empty_cpu_cache()) unmaps every free
 // block. Blocks are reported to torch.profiler, and the lock is held across fork().
@@ -24,6 +24,7 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <mutex>
 #include <vector>
@@ -85,10 +86,20 @@ int64_t default_limit() {
   return std::min<int64_t>(mem / 16, int64_t(1) << 30);
 }
 
+// MADV_FREE only for blocks left in the cache this long. Marking every freed block at once
+// cost a steady loop ~15% of a weight gradient: G=64, M=2048, K=N=512 fp32 (64 MiB output,
+// 2 threads, 3 alternating processes) took 5.78-6.28 ms with it and 5.13-5.18 ms without; perf
+// put ~5% of the samples in the TLB shootdown it sends the other core (smp_call_function_many_cond,
+// and native_write_msr: the IPI's exit to the hypervisor). A loop that reuses its outputs
+// within a second never pays it; a block left longer pays it once.
+constexpr std::chrono::seconds kIdleSeconds{1};
+
 struct Block {
   void* p;
   size_t bytes;
   bool reused;  // taken from the cache (pages mapped unless the OS took them back)
+  bool advised = false;  // marked MADV_FREE since it was last handed out
+  std::chrono::steady_clock::time_point freed{};
 };
 
 class OutputCache final : public c10::Allocator {
@@ -154,16 +165,34 @@ class OutputCache final : public c10::Allocator {
 
   Block* take(size_t bytes) {
     std::lock_guard<std::mutex> g(mu_);
+    advise_idle();
     for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
       if ((*it)->bytes == bytes) {
         Block* b = *it;
         free_.erase(std::next(it).base());
         cached_ -= (int64_t)bytes;
         b->reused = true;
+        b->advised = false;
         return b;
       }
     }
     return nullptr;
+  }
+
+  // Marks the free blocks idle for kIdleSeconds MADV_FREE: the kernel may take their pages back
+  // under memory pressure (a later write then faults in zeroed pages, which is fine: an output
+  // is written completely); until then they stay mapped, huge pages included. Called with mu_
+  // held, so that no block is handed out (and written) while it is being marked.
+  void advise_idle() {
+#if defined(__linux__) && defined(MADV_FREE)
+    const auto now = std::chrono::steady_clock::now();
+    for (Block* b : free_) {
+      if (!b->advised && now - b->freed >= kIdleSeconds) {
+        madvise(b->p, b->bytes, MADV_FREE);
+        b->advised = true;
+      }
+    }
+#endif
   }
 
   static void release(void* ctx);
@@ -187,17 +216,12 @@ class OutputCache final : public c10::Allocator {
 
   void put(Block* b) {
     report(b, false);
-#if defined(__linux__) && defined(MADV_FREE)
-    // The kernel may take the pages back under memory pressure (a later write then faults in
-    // zeroed pages, which is fine: an output is written completely). Until then they stay
-    // mapped, huge pages included. Measured here: 15 us for 64 MiB, and filling the block again
-    // afterwards took as long as without it (2.3-2.4 ms).
-    madvise(b->p, b->bytes, MADV_FREE);
-#endif
     MOE_POISON(b->p, b->bytes);
+    b->freed = std::chrono::steady_clock::now();
     std::vector<Block*> out;
     {
       std::lock_guard<std::mutex> g(mu_);
+      advise_idle();
       free_.push_back(b);
       cached_ += (int64_t)b->bytes;
       size_t i = 0;
