@@ -432,9 +432,14 @@ void run_big(at::ScalarType dtype, const Task& t) {
 // G=64, M=2048, K=N=512 bf16 5.1 -> 3.3 ms (with the row order of amx_item_panels), fp32
 // 10.8 -> 5.8 ms. Into fresh pages they are slower (G=256 bf16 20.9 -> 30.4 ms: the kernel
 // zeroes each page into the cache first, and the non-temporal store then has to evict that
-// line), so a fresh output is written as before. 32 MiB: from there glibc maps every allocation
-// anew, and smaller outputs may still be in the caches when the next operation reads them.
-constexpr size_t kStreamBytes = size_t(32) << 20;
+// line), so a fresh output is written as before. From 8 MiB (every block of the cache): G=8,
+// M=4096, K=1024, N=2048 bf16 (16 MiB forward output, 8 MiB input gradient) with the next
+// operation reading the output (a sum) and 64 MiB written between calls, threshold 8 against
+// 32 MiB alternating call by call in one process: forward 14.2 / 15.0, 18.0 / 19.0, 15.7 /
+// 17.4 ms, input gradient 17.9 / 18.7, 14.9 / 15.7, 19.5 / 19.5 ms (2026-11-30, medians of
+// 20-30; L2 is 2 MiB per core here, so an output this large is not in it for the next
+// operation either way).
+constexpr size_t kStreamBytes = size_t(8) << 20;
 
 Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& mat_b, const c10::optional<Tensor>& offs,
                   const c10::optional<Tensor>& bias, at::ScalarType out_dtype, int64_t isa_cap) {

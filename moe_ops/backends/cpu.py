@@ -19,7 +19,7 @@ dtype) are computed whole by ATen's mm with all threads (oneDNN/MKL), before the
 Outputs of 8 MiB and more come from a per-process cache of mapped memory (csrc/cpu/
 output_cache.cpp): a freed output's block is kept (marked MADV_FREE after a second unused, so
 the OS may then reclaim it under memory pressure) and handed to the next output of the same
-size, whose pages are then already mapped; outputs of 32 MiB and more written into such a block use non-temporal stores.
+size, whose pages are then already mapped; outputs written into such a block use non-temporal stores.
 ``MOE_OPS_CPU_CACHE_MB`` bounds the free blocks kept (read once; default 1/16 of the memory, at
 most 1024; 0 turns the cache off); ``moe_ops.empty_cpu_cache()`` releases them.
 
