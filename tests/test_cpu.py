@@ -22,6 +22,7 @@ Categories:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -180,6 +181,30 @@ def test_bf16_results_are_rounded_once_to_nearest_even(isa):
         bad = (out.view(torch.int16) != want.view(torch.int16)).nonzero()
         assert bad.numel() == 0, (f"{isa} {what}: {len(bad)} roundings differ, first at {tuple(bad[0].tolist())}: "
                                   f"{out[tuple(bad[0])].item()!r} vs {want[tuple(bad[0])].item()!r}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("isa", machine_levels())
+def test_bias_of_any_stride(isa, dtype):
+    """A bias whose columns are not adjacent ([N, G] transposed, every other column of a wider
+    one; the kernels read a contiguous bias as whole vectors) on every kernel that adds one:
+    groups of 2 and 3 rows (decode) and larger ones, both weight layouts, 3Dx3D; 70 columns, so
+    the last vector is partial."""
+    gen = torch.Generator().manual_seed(11)
+    G, M, K, N = 4, 150, 48, 70
+    offs = torch.tensor([2, 5, 100, 150], dtype=torch.int32)
+    a = torch.randn(M, K, generator=gen).to(dtype)
+    a3 = torch.randn(G, 20, K, generator=gen).to(dtype)
+    w = torch.randn(G, N, K, generator=gen).to(dtype)
+    weights = {"[G, N, K] transposed": w.transpose(1, 2), "[G, K, N]": w.transpose(1, 2).contiguous()}
+    biases = {"transposed": torch.randn(N, G, generator=gen).to(dtype).t(),
+              "every other column": torch.randn(G, 2 * N, generator=gen).to(dtype)[:, ::2]}
+    out_dtypes = [None, torch.float32] if dtype in (torch.bfloat16, torch.float16) else [None]
+    for (bname, bias), (wname, b), out_dtype in itertools.product(biases.items(), weights.items(), out_dtypes):
+        assert bias.stride(1) != 1
+        what = f"{isa} {dtype} {bname} bias, weights {wname}, out {out_dtype}"
+        check(run((a, b, offs, bias, out_dtype), isa), a, b, offs, bias, out_dtype, what=what)
+        check(run((a3, b, None, bias, out_dtype), isa), a3, b, None, bias, out_dtype, what=f"3d3d {what}")
 
 
 @pytest.mark.parametrize("isa", machine_levels())
