@@ -28,6 +28,11 @@ def _extensions():
 
     import torch
 
+    # MOE_OPS_OPT overrides both modules' optimization flag. .ci/sanitizers.sh builds at -O1, as
+    # AddressSanitizer's documentation advises: measured here, the build took 65 s instead of
+    # ~175 s at -O3 and its tests 137 s instead of 161 s, and a planted overrun was still caught.
+    opt = os.environ.get("MOE_OPS_OPT")
+
     class OptionalBuildExtension(BuildExtension):
         """Builds each module; a failure (no compiler, ...) is reported and the install goes on."""
 
@@ -52,7 +57,7 @@ def _extensions():
         # CPUID check, so the build needs no -march flag and runs on any x86-64.
         # The module refuses to load under any other torch (csrc/common/torch_version_guard.h).
         define_macros=[("MOE_OPS_TORCH_VERSION", torch.__version__)],
-        extra_compile_args=["-O3", "-fopenmp"],
+        extra_compile_args=[opt or "-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],
     )
     autograd = CppExtension(
@@ -60,7 +65,7 @@ def _extensions():
         ["csrc/autograd/grouped_mm_autograd.cpp"],
         # Likewise.
         define_macros=[("MOE_OPS_TORCH_VERSION", torch.__version__)],
-        extra_compile_args=["-O2"],
+        extra_compile_args=[opt or "-O2"],
     )
     return [cpu, autograd], {"build_ext": OptionalBuildExtension}
 

@@ -10,7 +10,7 @@ scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 git ls-files -z | xargs -0 cp --parents -t "$scratch"
 cd "$scratch"
-CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g1" \
+MOE_OPS_OPT=-O1 CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g1" \
     LDFLAGS="-fsanitize=address,undefined" python setup.py -q build_ext --inplace
 for module in moe_ops/_cpu.*.so moe_ops/_autograd.*.so; do
     nm -D "$module" | grep __asan_init >/dev/null || {  # not -q: nm would die of SIGPIPE (pipefail)
