@@ -163,20 +163,23 @@ class OutputCache final : public c10::Allocator {
   int64_t cached_ = 0;  // bytes of the free blocks
   int64_t used_ = 0;    // bytes of the blocks handed out and not yet given back
 
+  // The block handed out is taken before the others are looked at: marking it first would only
+  // cost the madvise and, once it is written again, the faults.
   Block* take(size_t bytes) {
     std::lock_guard<std::mutex> g(mu_);
-    advise_idle();
+    Block* b = nullptr;
     for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
       if ((*it)->bytes == bytes) {
-        Block* b = *it;
+        b = *it;
         free_.erase(std::next(it).base());
         cached_ -= (int64_t)bytes;
         b->reused = true;
         b->advised = false;
-        return b;
+        break;
       }
     }
-    return nullptr;
+    advise_idle();
+    return b;
   }
 
   // Marks the free blocks idle for kIdleSeconds MADV_FREE: the kernel may take their pages back
