@@ -247,19 +247,19 @@ inline void transpose16(__m512 r[16]) {
 template <Dt D>
 void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* dst, int64_t width) {
   using T = typename Ty<D>::T;
+  if (t.bias != nullptr && t.bias_sn != 1) {  // a strided bias: element by element
+    for (int64_t j = 0; j < width; ++j) dst[j] = j < count ? Ty<D>::get((const T*)t.bias + (n0 + j) * t.bias_sn) : 0;
+    return;
+  }
+  const T* bias = t.bias != nullptr ? (const T*)t.bias + n0 : nullptr;
   if constexpr (D == Dt::f64) {
     for (int64_t j = 0; j < width; j += 8) {
-      const bool in = t.bias != nullptr && j < count && t.bias_sn == 1;
-      _mm512_store_pd(dst + j, in ? masked_load_pd(mask8(count - j), (const double*)t.bias + n0 + j) : _mm512_setzero_pd());
+      _mm512_store_pd(dst + j, bias != nullptr && j < count ? masked_load_pd(mask8(count - j), bias + j) : _mm512_setzero_pd());
     }
   } else {
     for (int64_t j = 0; j < width; j += 16) {
-      const bool in = t.bias != nullptr && j < count && t.bias_sn == 1;
-      _mm512_store_ps(dst + j, in ? load16_f32<D>((const T*)t.bias + n0 + j, mask16(count - j)) : _mm512_setzero_ps());
+      _mm512_store_ps(dst + j, bias != nullptr && j < count ? load16_f32<D>(bias + j, mask16(count - j)) : _mm512_setzero_ps());
     }
-  }
-  if (t.bias != nullptr && t.bias_sn != 1) {  // a strided bias: element by element
-    for (int64_t j = 0; j < count && j < width; ++j) dst[j] = Ty<D>::get((const T*)t.bias + (n0 + j) * t.bias_sn);
   }
 }
 

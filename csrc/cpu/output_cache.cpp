@@ -12,9 +12,9 @@
 // A freed output's block (its DataPtr's deleter runs on any thread) goes back to the cache, most
 // recently freed last; one that has waited there for kIdleSeconds is marked MADV_FREE (the OS
 // may then reclaim it under memory pressure) at the cache's next put or take. A new output takes
-// the most recent free block of the same size (rounded up to 2 MiB), or maps a new one. Free blocks beyond the limit are unmapped, oldest first. The limit is
-// MOE_OPS_CPU_CACHE_MB (read once; 0 turns the cache off), by default 1/16 of the machine's
-// memory and at most 1 GiB. cache_empty() (Python: moe_ops.empty_cpu_cache()) unmaps every free
+// the most recent free block of the same size (rounded up to 2 MiB), or maps a new one. Free
+// blocks beyond the limit are unmapped, oldest first. The limit is MOE_OPS_CPU_CACHE_MB (read
+// once; 0 turns the cache off), by default 1/16 of the machine's memory and at most 1 GiB. cache_empty() (Python: moe_ops.empty_cpu_cache()) unmaps every free
 // block. Blocks are reported to torch.profiler, and the lock is held across fork().
 
 #include "output_cache.h"
