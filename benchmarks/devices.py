@@ -21,6 +21,26 @@ import subprocess
 import torch
 
 
+def tensor_pages() -> str:
+    """How torch backs large CPU tensors in this process: huge pages or 4 KiB pages, or "" where
+    Linux's transparent huge pages are not there to ask. Reported with every CPU result because
+    it moves the memory-bound cases: on this project's VM a core streams weights from 4 KiB pages
+    at about half the rate it reaches from huge pages (README, "Huge pages for the weights")."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    mode = text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
+    env = os.environ.get("THP_MEM_ALLOC_ENABLE")  # read by torch's CPU allocator: "1" or "0"
+    if mode == "always":
+        return "tensors in huge pages (THP always)"
+    if mode == "madvise" and env == "1":
+        return "tensors in huge pages (THP_MEM_ALLOC_ENABLE=1)"
+    setting = f"THP_MEM_ALLOC_ENABLE={env}" if env is not None else "THP_MEM_ALLOC_ENABLE unset"
+    return f"tensors in 4 KiB pages (THP {mode}, {setting})"
+
+
 class Device:
     name = "?"
     tokens = 512  # tokens per model shape (M = tokens * top-k)
@@ -63,8 +83,9 @@ class Cpu(Device):
         except (OSError, subprocess.SubprocessError, ValueError):
             pass
         isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+        pages = tensor_pages()
         return (f"cpu: {model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
-                + (f", {' '.join(isa)}" if isa else ""))
+                + (f", {' '.join(isa)}" if isa else "") + (f", {pages}" if pages else ""))
 
 
 class Accelerator(Device):

@@ -726,6 +726,35 @@ def test_benchmark_smoke(tmp_path):
         assert "median_ms" in row["peers"]["dense torch.mm"]
 
 
+def test_benchmarks_say_how_tensors_are_paged(monkeypatch):
+    """bench.py and decode.py report whether torch's large CPU tensors (the expert weights) are in
+    huge pages: Linux's THP mode, and torch's THP_MEM_ALLOC_ENABLE where the mode is madvise."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        pytest.skip("no transparent huge pages here (not Linux)")
+    mode = text[text.find("[") + 1:text.find("]")]
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import devices
+
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    on = devices.tensor_pages()
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    off = devices.tensor_pages()
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    unset = devices.tensor_pages()
+    if mode == "always":
+        assert on == off == unset == "tensors in huge pages (THP always)"
+    elif mode == "madvise":
+        assert on == "tensors in huge pages (THP_MEM_ALLOC_ENABLE=1)"
+        assert off == "tensors in 4 KiB pages (THP madvise, THP_MEM_ALLOC_ENABLE=0)"
+        assert unset == "tensors in 4 KiB pages (THP madvise, THP_MEM_ALLOC_ENABLE unset)"
+    else:
+        assert on.startswith("tensors in 4 KiB pages") and unset.startswith("tensors in 4 KiB pages")
+    assert unset in devices.Cpu(None).describe()
+
+
 def test_decode_and_host_overhead_benchmarks_smoke(tmp_path):
     """benchmarks/decode.py (small weights, two rounds: every peer's result is checked against
     the loop of torch.mm before it is timed) and benchmarks/host_overhead.py run and write their
