@@ -15,7 +15,8 @@ from ._contract import checked
 from ._op import kernel_counts, reset_kernel_counts
 from .backends import load_all as _load_backends
 
-__all__ = ["grouped_mm", "reference", "checked", "kernel_counts", "reset_kernel_counts", "empty_cpu_cache"]
+__all__ = ["grouped_mm", "reference", "checked", "kernel_counts", "reset_kernel_counts", "empty_cpu_cache",
+           "cpu_huge_pages"]
 __version__ = "0.1.0"
 
 
@@ -81,6 +82,31 @@ def empty_cpu_cache() -> int:
     from .backends import cpu
 
     return cpu.empty_cache()
+
+
+def cpu_huge_pages(*tensors: Tensor) -> int:
+    """Moves the memory of the given CPU tensors into 2 MiB transparent huge pages, in place
+    (Linux 6.1+: ``madvise(MADV_HUGEPAGE)`` then ``MADV_COLLAPSE``); returns the bytes of their
+    memory in huge pages after the call, those already there included (0 where the OS cannot or
+    will not: other systems, older kernels, THP off, no free huge pages). Values,
+    addresses and strides do not change. Only the 2 MiB-aligned part of each tensor's storage
+    is moved, so small tensors are left alone; each call copies what it moves once.
+
+    For expert weights on CPU: the kernel streams them from memory on every call, and a core
+    streams from 4 KiB pages much slower than from huge pages where every new page costs a page
+    walk (README, "Huge pages for the weights"). Call it once after loading a model, e.g.
+    ``moe_ops.cpu_huge_pages(*model.parameters())``; ``THP_MEM_ALLOC_ENABLE=1`` in the
+    environment makes torch allocate such tensors in huge pages in the first place.
+
+    Args:
+        tensors: CPU tensors (views are fine: their whole storage is considered).
+
+    Returns:
+        Bytes of the tensors' memory in huge pages, a multiple of 2 MiB.
+    """
+    from .backends import cpu
+
+    return cpu.huge_pages(tensors)
 
 
 _load_backends()

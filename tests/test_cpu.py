@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -724,6 +725,49 @@ def test_benchmark_smoke(tmp_path):
         op = row["peers"]["moe_ops"]
         assert "median_ms" in op and op["kernel"].startswith("cpu:"), row
         assert "median_ms" in row["peers"]["dense torch.mm"]
+
+
+def _smaps_field(lo: int, hi: int, field: str) -> int:
+    """Bytes of `field` (e.g. AnonHugePages) of the mappings of this process inside [lo, hi)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = lo <= a and b <= hi
+            elif inside and head == field + ":":
+                total += int(line.split()[1]) << 10
+    return total
+
+
+def test_cpu_huge_pages_moves_weights_in_place():
+    """moe_ops.cpu_huge_pages: values, addresses and results unchanged; what it reports as moved
+    is the 2 MiB-aligned part of each storage and is in huge pages afterwards (per /proc)."""
+    huge = 2 << 20
+    w = torch.randn(3, 1024, 1024 + 16)  # ~12 MiB: at least five aligned huge pages inside
+    ref, ptr = w.clone(), w.data_ptr()
+    x, offs = torch.randn(40, 1024), torch.tensor([10, 30, 40], dtype=torch.int32)
+    before = moe_ops.grouped_mm(x, w, offs)
+    start, size = w.untyped_storage().data_ptr(), w.untyped_storage().nbytes()
+    lo, hi = -(-start // huge) * huge, (start + size) // huge * huge
+    moved = moe_ops.cpu_huge_pages(w, w[1], w.transpose(1, 2))  # one storage, counted once
+    # Read at once: after MADV_HUGEPAGE alone, khugepaged may collapse the range too, ~0.5 s later.
+    in_huge = _smaps_field(lo, hi, "AnonHugePages") if moved else 0
+    assert moved in (0, hi - lo), (moved, hi - lo)
+    assert in_huge == moved
+    assert torch.equal(w, ref) and w.data_ptr() == ptr
+    assert torch.equal(moe_ops.grouped_mm(x, w, offs), before)
+    if sys.platform.startswith("linux") and tuple(int(v) for v in re.findall(r"\d+", os.uname().release)[:2]) >= (6, 1):
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read()
+        assert moved or "[never]" in thp, f"nothing moved into huge pages (THP: {thp.strip()})"
+    small = torch.randn(1000)
+    assert moe_ops.cpu_huge_pages(small) == 0 and moe_ops.cpu_huge_pages() == 0
+    with pytest.raises(TypeError):
+        moe_ops.cpu_huge_pages(w, "weights")
+    with pytest.raises(ValueError, match="CPU tensors"):
+        moe_ops.cpu_huge_pages(torch.empty(4 << 20, device="meta"))
 
 
 def test_benchmarks_say_how_tensors_are_paged(monkeypatch):

@@ -23,6 +23,10 @@ size, whose pages are then already mapped; outputs written into such a block use
 ``MOE_OPS_CPU_CACHE_MB`` bounds the free blocks kept (read once; default 1/16 of the memory, at
 most 1024; 0 turns the cache off); ``moe_ops.empty_cpu_cache()`` releases them.
 
+``huge_pages`` (``moe_ops.cpu_huge_pages``) moves tensors, the expert weights, into transparent
+huge pages in place: the kernels stream the weights on every call, and from 4 KiB pages a core
+streams them slower (a page walk per page; README, "Huge pages for the weights").
+
 ``MOE_OPS_CPU_ISA=generic|avx512`` caps the instruction set (read once per process). The
 compiled module is optional: when it is missing (no compiler at install time, a build with
 MOE_OPS_NO_EXTENSION=1) or was built against another torch (it checks before registering
@@ -101,6 +105,59 @@ def empty_cache() -> int:
     the compiled module). Outputs still alive are not affected: their blocks come back to the
     cache when they are freed."""
     return int(torch.ops.moe_cpu.empty_cache()) if _load() else 0
+
+
+_HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # linux/mman.h; MADV_COLLAPSE since Linux 6.1
+
+
+def huge_pages(tensors) -> int:
+    """Moves the memory of CPU tensors (expert weights) into transparent huge pages in place;
+    returns the bytes now backed by them. See ``moe_ops.cpu_huge_pages``."""
+    import ctypes
+    import ctypes.util
+    import os
+    import sys
+
+    tensors = list(tensors)
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"cpu_huge_pages: expected tensors, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"cpu_huge_pages: expected CPU tensors, got one on {t.device}")
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    done, seen = 0, set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        start, size = storage.data_ptr(), storage.nbytes()
+        if start in seen or size == 0:
+            continue
+        seen.add(start)
+        # Only the huge pages that lie wholly inside the storage: the memory around it (other
+        # tensors, the allocator's) keeps its pages, and nothing outside is faulted in.
+        lo, hi = -(-start // _HUGE) * _HUGE, (start + size) // _HUGE * _HUGE
+        if hi <= lo:
+            continue
+        # MADV_HUGEPAGE first: where the system's THP mode is "madvise", it lets the range hold
+        # huge pages at all (and khugepaged collapse it later if MADV_COLLAPSE cannot now).
+        if libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
+            log.info("moe_ops.cpu_huge_pages: madvise(MADV_HUGEPAGE) failed: %s", os.strerror(ctypes.get_errno()))
+            continue
+        # One huge page at a time: a call over the whole range fails as a whole when any one of
+        # them cannot be collapsed (e.g. a 2 MiB region with no page touched yet), and the count
+        # should say which did.
+        errors = set()
+        for page in range(lo, hi, _HUGE):
+            if libc.madvise(page, _HUGE, _MADV_COLLAPSE) == 0:
+                done += _HUGE
+            else:
+                errors.add(os.strerror(ctypes.get_errno()))
+        if errors:
+            log.info("moe_ops.cpu_huge_pages: madvise(MADV_COLLAPSE) failed on some pages: %s", ", ".join(sorted(errors)))
+    return done
 
 
 def status() -> Status:
