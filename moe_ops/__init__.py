@@ -85,11 +85,11 @@ def empty_cpu_cache() -> int:
 
 
 def cpu_huge_pages(*tensors: Tensor) -> int:
-    """Moves the memory of the given CPU tensors into 2 MiB transparent huge pages, in place
+    """Moves the memory of the given CPU tensors into transparent huge pages (2 MiB on x86-64) in place
     (Linux 6.1+: ``madvise(MADV_HUGEPAGE)`` then ``MADV_COLLAPSE``); returns the bytes of their
     memory in huge pages after the call, those already there included (0 where the OS cannot or
     will not: other systems, older kernels, THP off, no free huge pages). Values,
-    addresses and strides do not change. Only the 2 MiB-aligned part of each tensor's storage
+    addresses and strides do not change. Only the huge-page-aligned part of each tensor's storage
     is moved, so small tensors are left alone; each call copies what it moves once.
 
     For expert weights on CPU: the kernel streams them from memory on every call, and a core
@@ -102,7 +102,7 @@ def cpu_huge_pages(*tensors: Tensor) -> int:
         tensors: CPU tensors (views are fine: their whole storage is considered).
 
     Returns:
-        Bytes of the tensors' memory in huge pages, a multiple of 2 MiB.
+        Bytes of the tensors' memory in huge pages, a multiple of the huge page size.
     """
     from .backends import cpu
 

@@ -744,8 +744,10 @@ def _smaps_field(lo: int, hi: int, field: str) -> int:
 def test_cpu_huge_pages_moves_weights_in_place():
     """moe_ops.cpu_huge_pages: values, addresses and results unchanged; what it reports as moved
     is the 2 MiB-aligned part of each storage and is in huge pages afterwards (per /proc)."""
-    huge = 2 << 20
-    w = torch.randn(3, 1024, 1024 + 16)  # ~12 MiB: at least five aligned huge pages inside
+    from moe_ops.backends import cpu as cpu_backend
+
+    huge = cpu_backend._huge_page_bytes()
+    w = torch.randn(3, 1024, 1024 + 16)  # ~12 MiB: at least five aligned 2 MiB pages inside
     ref, ptr = w.clone(), w.data_ptr()
     x, offs = torch.randn(40, 1024), torch.tensor([10, 30, 40], dtype=torch.int32)
     before = moe_ops.grouped_mm(x, w, offs)

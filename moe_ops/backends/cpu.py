@@ -107,8 +107,16 @@ def empty_cache() -> int:
     return int(torch.ops.moe_cpu.empty_cache()) if _load() else 0
 
 
-_HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
 _MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # linux/mman.h; MADV_COLLAPSE since Linux 6.1
+
+
+def _huge_page_bytes() -> int:
+    """The size of a transparent huge page: 2 MiB on x86-64 (and arm64 with 4 KiB pages)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
 
 
 def huge_pages(tensors) -> int:
@@ -129,7 +137,7 @@ def huge_pages(tensors) -> int:
         return 0
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    done, seen = 0, set()
+    huge, done, seen = _huge_page_bytes(), 0, set()
     for t in tensors:
         storage = t.untyped_storage()
         start, size = storage.data_ptr(), storage.nbytes()
@@ -138,7 +146,7 @@ def huge_pages(tensors) -> int:
         seen.add(start)
         # Only the huge pages that lie wholly inside the storage: the memory around it (other
         # tensors, the allocator's) keeps its pages, and nothing outside is faulted in.
-        lo, hi = -(-start // _HUGE) * _HUGE, (start + size) // _HUGE * _HUGE
+        lo, hi = -(-start // huge) * huge, (start + size) // huge * huge
         if hi <= lo:
             continue
         # MADV_HUGEPAGE first: where the system's THP mode is "madvise", it lets the range hold
@@ -150,9 +158,9 @@ def huge_pages(tensors) -> int:
         # them cannot be collapsed (e.g. a 2 MiB region with no page touched yet), and the count
         # should say which did.
         errors = set()
-        for page in range(lo, hi, _HUGE):
-            if libc.madvise(page, _HUGE, _MADV_COLLAPSE) == 0:
-                done += _HUGE
+        for page in range(lo, hi, huge):
+            if libc.madvise(page, huge, _MADV_COLLAPSE) == 0:
+                done += huge
             else:
                 errors.add(os.strerror(ctypes.get_errno()))
         if errors:
