@@ -22,6 +22,7 @@ Categories:
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -743,13 +744,21 @@ def _smaps_field(lo: int, hi: int, field: str) -> int:
 
 def test_cpu_huge_pages_moves_weights_in_place():
     """moe_ops.cpu_huge_pages: values, addresses and results unchanged; what it reports as moved
-    is the 2 MiB-aligned part of each storage and is in huge pages afterwards (per /proc)."""
+    is the huge-page-aligned part of each storage and is in huge pages afterwards (per /proc).
+    The weights live in a private mapping of their own, 4 KiB past its start and before its end,
+    so that the aligned part becomes a mapping of its own that /proc can show (in a process that
+    has run other tests, torch's memory may share a mapping with memory already in huge pages)."""
+    import mmap
+
     from moe_ops.backends import cpu as cpu_backend
 
     huge = cpu_backend._huge_page_bytes()
-    w = torch.randn(3, 1024, 1024 + 16)  # ~12 MiB: at least five aligned 2 MiB pages inside
+    G, K, N = 3, 512, 2048  # 12 MiB of fp32: at least five aligned 2 MiB pages inside
+    region = mmap.mmap(-1, G * K * N * 4 + 2 * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    w = torch.frombuffer(region, dtype=torch.float32, offset=4096, count=G * K * N).view(G, K, N)
+    w.copy_(torch.randn(G, K, N))
     ref, ptr = w.clone(), w.data_ptr()
-    x, offs = torch.randn(40, 1024), torch.tensor([10, 30, 40], dtype=torch.int32)
+    x, offs = torch.randn(40, K), torch.tensor([10, 30, 40], dtype=torch.int32)
     before = moe_ops.grouped_mm(x, w, offs)
     start, size = w.untyped_storage().data_ptr(), w.untyped_storage().nbytes()
     lo, hi = -(-start // huge) * huge, (start + size) // huge * huge
@@ -770,6 +779,9 @@ def test_cpu_huge_pages_moves_weights_in_place():
         moe_ops.cpu_huge_pages(w, "weights")
     with pytest.raises(ValueError, match="CPU tensors"):
         moe_ops.cpu_huge_pages(torch.empty(4 << 20, device="meta"))
+    del w, ref, before
+    gc.collect()
+    region.close()
 
 
 def test_benchmarks_say_how_tensors_are_paged(monkeypatch):
