@@ -119,8 +119,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = []
-    print(f"{torch.get_num_threads()} threads; {tensor_pages() or 'page size of tensors unknown'}\n")
+    rows, pages = [], tensor_pages()
+    print(f"{torch.get_num_threads()} threads; {pages or 'page size of tensors unknown'}\n")
     print("| model | weights | dtype | experts read | moe_ops | torch._grouped_mm | loop of torch.mm |\n"
           "|---|---|---|---|---|---|---|")
     for (name, G, top_k, hidden, ffn), layout, d in [(m, w, d) for m in MODELS for w in args.weights.split(",")
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
               f"{r['expert_bytes_per_call'] / 2**20:.1f} MiB | " + " | ".join(cells) + " |", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "pages": tensor_pages(), "tokens": args.tokens,
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "pages": pages, "tokens": args.tokens,
             "rounds": args.rounds, "date": time.strftime("%Y-%m-%d")}
     (out / "decode.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     return 0

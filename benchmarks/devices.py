@@ -20,18 +20,17 @@ import subprocess
 
 import torch
 
+from moe_ops.backends.cpu import thp_mode
+
 
 def tensor_pages() -> str:
     """How torch backs large CPU tensors in this process: huge pages or 4 KiB pages, or "" where
     Linux's transparent huge pages are not there to ask. Reported with every CPU result because
     it moves the memory-bound cases: on this project's VM a core streams weights from 4 KiB pages
     at about half the rate it reaches from huge pages (README, "Huge pages for the weights")."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            text = f.read()
-    except OSError:
+    mode = thp_mode()
+    if not mode:
         return ""
-    mode = text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
     env = os.environ.get("THP_MEM_ALLOC_ENABLE")  # read by torch's CPU allocator: "1" or "0"
     if mode == "always":
         return "tensors in huge pages (THP always)"

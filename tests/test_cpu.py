@@ -770,9 +770,8 @@ def test_cpu_huge_pages_moves_weights_in_place():
     assert torch.equal(w, ref) and w.data_ptr() == ptr
     assert torch.equal(moe_ops.grouped_mm(x, w, offs), before)
     if sys.platform.startswith("linux") and tuple(int(v) for v in re.findall(r"\d+", os.uname().release)[:2]) >= (6, 1):
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read()
-        assert moved or "[never]" in thp, f"nothing moved into huge pages (THP: {thp.strip()})"
+        thp = cpu_backend.thp_mode()
+        assert moved or thp == "never", f"nothing moved into huge pages (THP: {thp})"
     small = torch.randn(1000)
     assert moe_ops.cpu_huge_pages(small) == 0 and moe_ops.cpu_huge_pages() == 0
     with pytest.raises(TypeError):
@@ -787,12 +786,11 @@ def test_cpu_huge_pages_moves_weights_in_place():
 def test_benchmarks_say_how_tensors_are_paged(monkeypatch):
     """bench.py and decode.py report whether torch's large CPU tensors (the expert weights) are in
     huge pages: Linux's THP mode, and torch's THP_MEM_ALLOC_ENABLE where the mode is madvise."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            text = f.read()
-    except OSError:
+    from moe_ops.backends.cpu import thp_mode
+
+    mode = thp_mode()
+    if not mode:
         pytest.skip("no transparent huge pages here (not Linux)")
-    mode = text[text.find("[") + 1:text.find("]")]
     monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
     import devices
 

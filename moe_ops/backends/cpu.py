@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 
 import torch
 
@@ -119,13 +121,21 @@ def _huge_page_bytes() -> int:
         return 2 << 20
 
 
+def thp_mode() -> str:
+    """Linux's transparent huge page mode ("always", "madvise" or "never"), "" where there is none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
+
+
 def huge_pages(tensors) -> int:
     """Moves the memory of CPU tensors (expert weights) into transparent huge pages in place;
     returns the bytes now backed by them. See ``moe_ops.cpu_huge_pages``."""
     import ctypes
     import ctypes.util
-    import os
-    import sys
 
     tensors = list(tensors)
     for t in tensors:
