@@ -4,7 +4,7 @@ contract for it, on the best instruction set of this machine).
 Categories:
 * the extension is built, registered on the CPU key, and serves the op, forward and backward,
   eager and compiled;
-* every instruction-set level this machine has (ATen fallback, AVX-512, AMX) against the float64
+* every instruction-set level this machine has (ATen fallback, AVX-512, AVX512-BF16, AMX) against the float64
   oracle, since the property suite only runs the best one;
 * the work split: many tiny and empty groups, results bitwise identical for any thread count;
   groups of up to four rows (decode) through dot products along k or streamed rows of W;
@@ -47,7 +47,7 @@ cpu_backend = backends.module("cpu")
 pytestmark = pytest.mark.skipif(cpu_backend.status().mode is None,
                                 reason=f"backend cpu cannot run here: {cpu_backend.status().detail}")
 
-ISA = {"generic": 0, "avx512": 1, "amx": 2}
+ISA = {"generic": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -250,14 +250,18 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     else:
         b = torch.randn(G, K, N, generator=gen).to(dtype)
     bias = torch.randn(G, N, generator=gen).to(dtype)
-    isa = "amx" if dtype != torch.bfloat16 else "avx512"  # bf16 reaches the FMA path only without AMX
-    outs = []
-    for threads in (1, 2, 3):
-        with num_threads(threads):
-            outs.append(run((a, b, offs, bias, out_dtype), isa))
-    check(outs[0], a, b, offs, bias, out_dtype, what=f"{dtype} {out_dtype}")
-    for o in outs[1:]:
-        assert torch.equal(o, outs[0])
+    # bf16 reaches these paths only below AMX: with plain AVX-512 (fp32 FMA) and with AVX512-BF16
+    # (the larger groups on VDPBF16PS), where the machine has it.
+    isas = ["amx"] if dtype != torch.bfloat16 else [
+        i for i in ("avx512", "avx512_bf16") if ISA[i] <= ISA[torch.ops.moe_cpu.machine()]]
+    for isa in isas:
+        outs = []
+        for threads in (1, 2, 3):
+            with num_threads(threads):
+                outs.append(run((a, b, offs, bias, out_dtype), isa))
+        check(outs[0], a, b, offs, bias, out_dtype, what=f"{isa} {dtype} {out_dtype}")
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
 
 
 @pytest.mark.parametrize("weights,K", [("[G,N,K]", 4100), ("[G,K,N]", 300)])
@@ -316,9 +320,9 @@ def test_stale_nan_in_scratch_and_output_memory_never_leaks(isa):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d", "3d3d"])
 def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
-    """Groups of >= 2**28 multiply-adds take ATen's multi-threaded mm (fp32; bf16 only on CPUs
-    without AMX), the others the items; one call mixes both (and a group with a bias or fp32
-    output never takes the mm path)."""
+    """Groups of >= 2**28 multiply-adds take ATen's multi-threaded mm (fp32; bf16 only below the
+    AVX512-BF16 level, so also with the level capped at AVX-512), the others the items; one call
+    mixes both (and a group with a bias or fp32 output never takes the mm path)."""
     gen = torch.Generator().manual_seed(1)
     big, K, N = 1040, 512, 520  # 1040 * 512 * 520 > 2**28
     shapes = {"2d3d": ((big + 70, K), (3, K, N)), "2d2d": ((N, big + 70), (big + 70, K)),
@@ -328,9 +332,10 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
     a = torch.randn(*sa, generator=gen).to(dtype)
     b = torch.randn(*sb, generator=gen).to(dtype)
     o = None if offs[layout] is None else torch.tensor(offs[layout], dtype=torch.int32)
-    for out_dtype in ([None, torch.float32] if dtype == torch.bfloat16 else [None]):
-        check_by_reference(run((a, b, o, None, out_dtype), "amx"), a, b, o, None, out_dtype,
-                           what=f"{layout} {dtype} {out_dtype}")
+    isas = ["amx"] if dtype != torch.bfloat16 or torch.ops.moe_cpu.machine() == "generic" else ["avx512", "amx"]
+    for isa, out_dtype in itertools.product(isas, [None, torch.float32] if dtype == torch.bfloat16 else [None]):
+        check_by_reference(run((a, b, o, None, out_dtype), isa), a, b, o, None, out_dtype,
+                           what=f"{isa} {layout} {dtype} {out_dtype}")
 
 
 @pytest.mark.parametrize("K", [8192, 8200])

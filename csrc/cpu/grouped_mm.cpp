@@ -66,11 +66,14 @@ Isa detect_isa_x86() {
   const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));  // F DQ BW VL
   if (!avx512) return Isa::generic;
   const bool amx = (d & (1u << 24)) && (d & (1u << 22));  // AMX-TILE, AMX-BF16
-  if (!amx) return Isa::avx512;
+  unsigned a1 = 0, b1, c1, d1;
+  const bool bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 & (1u << 5));  // AVX512-BF16
+  const Isa without_amx = bf16 ? Isa::avx512bf16 : Isa::avx512;
+  if (!amx) return without_amx;
   // Linux hands out the AMX tile state only on request (once per process; oneDNN asks too).
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return Isa::avx512;
-  if ((xgetbv0() & (3ull << 17)) != (3ull << 17)) return Isa::avx512;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return without_amx;
+  if ((xgetbv0() & (3ull << 17)) != (3ull << 17)) return without_amx;
   return Isa::amx;
 }
 #endif
@@ -86,18 +89,19 @@ Isa detect_isa() {
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::amx: return "amx";
+    case Isa::avx512bf16: return "avx512_bf16";
     case Isa::avx512: return "avx512";
     default: return "generic";
   }
 }
 
-// The best instruction set of this machine, capped by MOE_OPS_CPU_ISA=generic|avx512|amx.
+// The best instruction set of this machine, capped by MOE_OPS_CPU_ISA=generic|avx512|avx512_bf16|amx.
 Isa machine_isa() {
   static const Isa isa = [] {
     Isa best = detect_isa();
     const char* env = std::getenv("MOE_OPS_CPU_ISA");
     if (env != nullptr) {
-      for (Isa cap : {Isa::generic, Isa::avx512, Isa::amx}) {
+      for (Isa cap : {Isa::generic, Isa::avx512, Isa::avx512bf16, Isa::amx}) {
         if (std::strcmp(env, isa_name(cap)) == 0 && (int)cap < (int)best) best = cap;
       }
     }
@@ -400,14 +404,19 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
 //   OLMoE /2 (G=64, M=4096, K=1024, N=512) fwd x2.24 -> x2.10 (torch._grouped_mm x2.15);
 //   Mixtral /4 (G=8, M=1024, K=1024, N=3584) fwd x1.52 -> x1.46 (x1.55); G=64, M=2048,
 //   K=N=512 x2.39 -> x2.30 (x3.08). All groups through MKL: x2.03, x1.46, x3.11.
-// * bf16, from 2^28, to oneDNN, but only on CPUs without AMX. With AMX every group runs on our
-//   items (amx_item_panels for large ones): oneDNN generates code for every new group size (its
-//   primitive cache is keyed by the shape), and in a MoE layer the sizes change on every call.
+// * bf16, from 2^28, to oneDNN, but only on CPUs with neither AMX nor AVX512-BF16. With AMX every
+//   group runs on our items (amx_item_panels for large ones): oneDNN generates code for every new
+//   group size (its primitive cache is keyed by the shape), and in a MoE layer the sizes change
+//   on every call.
 //   Measured here (2 threads, G=8, M=4096, K=1024, N=2048, Dirichlet group sizes drawn anew for
 //   every call, medians of 20-25): oneDNN forward 38.8 ms, input gradient 64.1 ms, weight
 //   gradient 53.6 ms; the AMX items 13.6-14.5 / 13.6-14.6 / 21.7 ms; dense mm 9-15 ms. With the
 //   same sizes on every call (oneDNN's cache hits) the two are within 10% on the forward and
 //   input gradient, and the items take 23 ms against 30 ms on the weight gradient.
+//   With AVX512-BF16 (VDPBF16PS) the items win too. Measured on a 2-core AMD EPYC (Zen 4) VM
+//   (2026-11-30, `benchmarks/bench.py --shapes issue --dtypes bf16`, 2 threads, fresh sizes,
+//   ratio to dense, runs alternating): same shape, groups of >= 2^28 to oneDNN / all on the
+//   items: forward x1.18 / x1.01 and x1.03, input gradient x1.25 / x1.12 and x1.06.
 constexpr double kBigTaskMacs = double(1 << 28);
 constexpr double kBigTaskMacsF32 = double(1 << 26);
 
@@ -451,7 +460,7 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   for (Task& t : p.tasks) t.stream = stream;
   std::vector<Task> small;
   const bool whole_groups_ok =
-      out_dtype == dtype && (dtype == at::kFloat || (dtype == at::kBFloat16 && isa != Isa::amx));
+      out_dtype == dtype && (dtype == at::kFloat || (dtype == at::kBFloat16 && isa < Isa::avx512bf16));
   for (const Task& t : p.tasks) {
     if (whole_groups_ok && t.bias == nullptr && is_big(t, dtype)) {
       run_big(dtype, t);
@@ -469,11 +478,11 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   return p.out;
 }
 
-// Which kernel a call with this dtype runs here: "amx", "avx512" or "generic".
+// Which kernel a call with this dtype runs here: "amx", "avx512_bf16", "avx512" or "generic".
 std::string kernel_for(at::ScalarType dtype, int64_t isa_cap) {
   Isa isa = machine_isa();
   if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
-  if (isa == Isa::amx && dtype != at::kBFloat16) isa = Isa::avx512;
+  if (isa >= Isa::avx512bf16 && dtype != at::kBFloat16) isa = Isa::avx512;
   return isa_name(isa);
 }
 
@@ -486,8 +495,8 @@ std::vector<int64_t> cache_info() { return {cache_cached_bytes(), cache_limit_by
 // dispatcher may be gone by the time static destructors run.
 void register_ops() {
   auto* def = new torch::Library(torch::Library::DEF, "moe_cpu", std::nullopt, __FILE__, __LINE__);
-  // isa: -1 = best for this machine, 0 = generic (ATen mm per item), 1 = AVX-512, 2 = AMX; a
-  // value above what the machine has means the best it has.
+  // isa: -1 = best for this machine, 0 = generic (ATen mm per item), 1 = AVX-512, 2 = AVX-512
+  // with AVX512-BF16, 3 = AMX; a value above what the machine has means the best it has.
   def->def("grouped_mm(str layout, Tensor mat_a, Tensor mat_b, Tensor? offs, Tensor? bias, ScalarType out_dtype, "
            "int isa=-1) -> Tensor");
   def->def("kernel_for(ScalarType dtype, int isa=-1) -> str", &kernel_for);

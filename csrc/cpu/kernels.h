@@ -13,7 +13,9 @@ namespace moe_cpu {
 enum class Dt : int32_t { f32 = 0, bf16 = 1, f16 = 2, f64 = 3 };
 
 // Instruction sets the kernels can use, best last. Picked at run time from CPUID and the OS.
-enum class Isa : int32_t { generic = 0, avx512 = 1, amx = 2 };
+// avx512bf16: AVX-512 with AVX512-BF16's dot product (VDPBF16PS), used for bf16 inputs (AMD Zen 4
+// and later, Intel Cooper Lake; Sapphire Rapids and later have it too, beside AMX).
+enum class Isa : int32_t { generic = 0, avx512 = 1, avx512bf16 = 2, amx = 3 };
 
 // One matrix product C[m, n] = A[m, k] @ B[k, n] (+ bias[n]), strides in elements, any sign
 // or value. A group of a grouped_mm call is one Task. C is written completely (k == 0 gives

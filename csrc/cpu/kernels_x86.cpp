@@ -1,5 +1,6 @@
-// x86 kernels of moe_ops' CPU grouped matmul: AMX (bf16) and AVX-512 FMA (fp32/fp16/fp64, and bf16
-// without AMX). grouped_mm.cpp checks the CPU and the OS before calling anything here.
+// x86 kernels of moe_ops' CPU grouped matmul: AMX (bf16), AVX512-BF16 dot products (bf16 without
+// AMX: the FMA kernel below on bf16 pairs, see VB) and AVX-512 FMA (fp32/fp16/fp64, and bf16 on
+// CPUs with neither). grouped_mm.cpp checks the CPU and the OS before calling anything here.
 //
 // This file is compiled with AVX-512 and AMX code generation switched on (the pragma below), so it
 // includes only C headers and keeps everything but the entry points in an anonymous namespace:
@@ -130,15 +131,15 @@ inline __m256i f32_to_bf16x16(__m512 f) {
 }
 
 // The same rounding with the AVX512-BF16 conversion instructions (every CPU with AMX-BF16 has
-// them; only the AMX paths call these): one instruction for 16 or 32 values instead of eight
+// them; only the AMX and VB paths call these): one instruction for 16 or 32 values instead of eight
 // for 16. Those instructions treat denormal inputs as zero, so a vector holding one takes the
 // exact path above. Measured here (2 threads, weight gradient G=64, M=2048, K=N=512, bf16, output
 // memory reused): 4.6-5.7 ms -> 2.5-3.1 ms per call; the conversion was most of the time.
-inline __m256i f32_to_bf16x16_amx(__m512 f) {
+inline __m256i f32_to_bf16x16_native(__m512 f) {
   if (_mm512_fpclass_ps_mask(f, 0x20)) return f32_to_bf16x16(f);  // 0x20: denormal
   return (__m256i)_mm512_cvtneps_pbh(f);
 }
-inline __m512i f32_to_bf16x32_amx(__m512 lo, __m512 hi) {
+inline __m512i f32_to_bf16x32_native(__m512 lo, __m512 hi) {
   if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(f32_to_bf16x16(lo)), f32_to_bf16x16(hi), 1);
   }
@@ -680,7 +681,7 @@ void store_block(const Task& t, int64_t row0, int64_t col0, const float* blk, in
     for (int64_t i = 0; i < rows; ++i) {
       const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb), b0);
       const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb + 16), b1);
-      put_bf16x32((uint16_t*)c + (row0 + i) * t.c_sm + col0, f32_to_bf16x32_amx(lo, hi), cm, nt);
+      put_bf16x32((uint16_t*)c + (row0 + i) * t.c_sm + col0, f32_to_bf16x32_native(lo, hi), cm, nt);
     }
     return;
   }
@@ -724,7 +725,7 @@ void store_block_transposed(const Task& t, int64_t row0, int64_t col0, const flo
       transpose16(hi);
       for (int64_t j = 0; j < imin(16, rows - j0); ++j) {
         put_bf16x32((uint16_t*)c + (row0 + j0 + j) * t.c_sm + col0,
-                    f32_to_bf16x32_amx(_mm512_add_ps(lo[j], b0), _mm512_add_ps(hi[j], b1)), cm, nt);
+                    f32_to_bf16x32_native(_mm512_add_ps(lo[j], b0), _mm512_add_ps(hi[j], b1)), cm, nt);
       }
     }
     return;
@@ -740,7 +741,7 @@ void store_block_transposed(const Task& t, int64_t row0, int64_t col0, const flo
         __m512 v = _mm512_add_ps(r[j], bv);
         TO* crow = c + (row0 + j0 + j) * t.c_sm + (col0 + i0) * t.c_sn;
         if (O == Dt::bf16 && t.c_sn == 1) {
-          masked_store_epi16x16((uint16_t*)crow, cm, f32_to_bf16x16_amx(v));
+          masked_store_epi16x16((uint16_t*)crow, cm, f32_to_bf16x16_native(v));
         } else {
           put16_f32<O>(crow, t.c_sn, v, cols - i0);
         }
@@ -965,6 +966,7 @@ struct VF {
   using V = __m512;
   using S = float;
   static constexpr int64_t L = 16;
+  static constexpr bool kPairs = false;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const S* p) { return _mm512_load_ps(p); }
   static void store(S* p, V v) { _mm512_store_ps(p, v); }
@@ -975,11 +977,32 @@ struct VD {
   using V = __m512d;
   using S = double;
   static constexpr int64_t L = 8;
+  static constexpr bool kPairs = false;
   static V zero() { return _mm512_setzero_pd(); }
   static V load(const S* p) { return _mm512_load_pd(p); }
   static void store(S* p, V v) { _mm512_store_pd(p, v); }
   static V bcast(const S* p) { return _mm512_set1_pd(*p); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+};
+// bf16 for AVX512-BF16 (Isa::avx512bf16): each packed element S is the bits of two bf16 of
+// consecutive k (the even k in the low half), and "fma" is VDPBF16PS, which adds both products
+// (exact in fp32) to the fp32 accumulator, rounding to nearest even, with denormal inputs and
+// outputs taken as zero (as AMX does). Twice the multiply-adds of fp32 FMA per instruction, and
+// half the packed bytes. Measured on a 2-core AMD EPYC (Zen 4) VM (2026-11-30, 2 threads, 10
+// rounds in one process, medians, group sizes drawn anew per call), against VF on the converted
+// values: G=64, M=2048, K=N=512 forward / input gradient / weight gradient 6.36 / 6.46 / 6.70 ->
+// 4.09 / 4.42 / 3.92 ms, G=256, M=4096, K=512, N=256 7.78 / 7.73 / 8.09 -> 5.58 / 5.71 / 4.70 ms
+// (one dense torch.mm of the same size, oneDNN: 2.8-3.9 ms).
+struct VB {
+  using V = __m512;
+  using S = float;  // a bf16 pair's bits, moved but never computed with as a float
+  static constexpr int64_t L = 16;
+  static constexpr bool kPairs = true;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const S* p) { return _mm512_load_ps(p); }
+  static void store(S* p, V v) { _mm512_store_ps(p, v); }
+  static V bcast(const S* p) { return _mm512_set1_ps(*p); }
+  static V fma(V a, V b, V c) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); }
 };
 
 // acc[i][j] += sum_{k < kc} a[i*lda + k] * b[k][j*L .. +L) for i < R (b: kc rows of 4 vectors).
@@ -1144,11 +1167,117 @@ inline void fma_pack_b_into(const Task& t, int64_t k0, int64_t kc, int64_t n0, i
   fma_pack_b_f64(t, k0, kc, n0, nc, d);
 }
 
+// Packing for VB: bf16 pairs of consecutive k as 32-bit words, zero past K (an odd K ends in a
+// pair with a zero high half) and in padding rows and columns.
+
+// Words of two rows k, k + 1 of 16 elements each (contiguous, `m` of them valid): the pair of
+// every element; row k + 1 absent (past K) when `has_hi` is false.
+inline __m512i pair_words(const uint16_t* lo, const uint16_t* hi, bool has_hi, __mmask16 m) {
+  const __m512i l = _mm512_cvtepu16_epi32(masked_load_epi16x16(m, lo));
+  if (!has_hi) return l;
+  return _mm512_or_si512(l, _mm512_slli_epi32(_mm512_cvtepu16_epi32(masked_load_epi16x16(m, hi)), 16));
+}
+
+// Rows [m0, m1) of A into [rows rounded up to kMR][lda] words, word p the pair k = 2p, 2p + 1.
+void pair_pack_a(const Task& t, const Item& it, float* dst, int64_t lda) {
+  const int64_t rows = it.m1 - it.m0, K = t.k, KU = ceil_div(K, 2);
+  const uint16_t* a = (const uint16_t*)t.a + it.m0 * t.a_sm;
+  for (int64_t r = rows; r < round_up(rows, kMR); ++r) memset(dst + r * lda, 0, KU * 4);
+  if (t.a_sm == 1 && t.a_sk != 1) {
+    // Column-major A (x^T in the weight gradient): the pairs of 16 rows from two k rows, for 16
+    // pairs, then transposed in registers (words as 32-bit lanes).
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      const __mmask16 rm = mask16(rows - r0);
+      for (int64_t p0 = 0; p0 < KU; p0 += 16) {
+        __m512 v[16];
+        for (int64_t x = 0; x < 16; ++x) {
+          const int64_t k = 2 * (p0 + x);
+          v[x] = k < K ? _mm512_castsi512_ps(pair_words(a + k * t.a_sk + r0, a + (k + 1) * t.a_sk + r0, k + 1 < K, rm))
+                       : _mm512_setzero_ps();
+        }
+        transpose16(v);
+        for (int64_t x = 0; x < imin(16, rows - r0); ++x) masked_store_ps(dst + (r0 + x) * lda + p0, mask16(KU - p0), v[x]);
+      }
+    }
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* d = (uint16_t*)(dst + r * lda);
+    const uint16_t* src = a + r * t.a_sm;
+    if (t.a_sk == 1) {
+      for (int64_t k = 0; k < K; k += 32) masked_store_epi16x32(d + k, mask32(K - k), masked_load_epi16x32(mask32(K - k), src + k));
+    } else {
+      for (int64_t k = 0; k < K; ++k) d[k] = src[k * t.a_sk];
+    }
+    if (K & 1) d[K] = 0;
+  }
+}
+
+// Pairs [p0, p0 + pc) of columns [n0, n0 + nc) of B into [pc][64] words (zero columns past nc).
+void pair_pack_b(const Task& t, int64_t p0, int64_t pc, int64_t n0, int64_t nc, float* dst) {
+  const int64_t K = t.k;
+  const uint16_t* b = (const uint16_t*)t.b + n0 * t.b_sn;
+  if (t.b_sn == 1) {
+    for (int64_t p = 0; p < pc; ++p) {
+      const int64_t k = 2 * (p0 + p);
+      for (int64_t j = 0; j < 64; j += 16) {
+        const __m512i w = j < nc ? pair_words(b + k * t.b_sk + j, b + (k + 1) * t.b_sk + j, k + 1 < K, mask16(nc - j))
+                                 : _mm512_setzero_si512();
+        _mm512_store_si512(dst + p * 64 + j, w);
+      }
+    }
+  } else if (t.b_sk == 1) {
+    // k-contiguous (transposed weights): a pair is one word of a column, so 16 columns x 16
+    // pairs are one 16 x 16 transpose of words.
+    for (int64_t pp = 0; pp < pc; pp += 16) {
+      const int64_t k = 2 * (p0 + pp);
+      const __mmask32 km = mask32(K - k);
+      for (int64_t j = 0; j < 64; j += 16) {
+        __m512 r[16];
+        for (int64_t c = 0; c < 16; ++c) {
+          r[c] = j + c < nc ? _mm512_castsi512_ps(masked_load_epi16x32(km, b + (j + c) * t.b_sn + k)) : _mm512_setzero_ps();
+        }
+        transpose16(r);
+        for (int64_t x = 0; x < imin(16, pc - pp); ++x) _mm512_store_ps(dst + (pp + x) * 64 + j, r[x]);
+      }
+    }
+  } else {
+    uint32_t* d = (uint32_t*)dst;
+    for (int64_t p = 0; p < pc; ++p) {
+      const int64_t k = 2 * (p0 + p);
+      for (int64_t j = 0; j < 64; ++j) {
+        const uint32_t lo = j < nc ? b[k * t.b_sk + j * t.b_sn] : 0;
+        const uint32_t hi = j < nc && k + 1 < K ? b[(k + 1) * t.b_sk + j * t.b_sn] : 0;
+        d[p * 64 + j] = lo | hi << 16;
+      }
+    }
+  }
+}
+
+// Pairs [p0, p0 + pc) of B with contiguous rows, columns [n0, n0 + wc), into 64-column panels
+// [wc / 64][pc][64]: two rows at a time, read in memory order.
+void pair_pack_b_rows(const Task& t, int64_t p0, int64_t pc, int64_t n0, int64_t wc, float* dst) {
+  const int64_t nsub = ceil_div(wc, 64), K = t.k;
+  for (int64_t p = 0; p < pc; ++p) {
+    const int64_t k = 2 * (p0 + p);
+    const uint16_t* lo = (const uint16_t*)t.b + k * t.b_sk + n0;
+    for (int64_t sb = 0; sb < nsub; ++sb) {
+      float* d = dst + (sb * pc + p) * 64;
+      for (int64_t j = 0; j < 64; j += 16) {
+        const int64_t c = sb * 64 + j;
+        const __m512i w = c < wc ? pair_words(lo + c, lo + t.b_sk + c, k + 1 < K, mask16(wc - c)) : _mm512_setzero_si512();
+        _mm512_store_si512(d + j, w);
+      }
+    }
+  }
+}
+
 // Rows [row0, row0 + R) of C from registers: + bias, one rounding to O. The column loop has a
 // constant trip count and is unrolled, so that acc stays in registers: with `j < 4 && j * 16 <
 // nc` as its condition GCC kept 15 of the 24 accumulators on the stack, and the weight gradient
 // (K of ~32 per group, so a store per 32 k steps) took 14-17% longer (compute only, 2 threads).
-template <Dt O, int R>
+// kNativeBf16: bf16 output rounded with the AVX512-BF16 conversion (the VB kernel's CPUs have it).
+template <Dt O, int R, bool kNativeBf16 = false>
 inline void fma_store(const Task& t, int64_t row0, int64_t col0, int64_t nc, __m512 (&acc)[kMR][4], const float* bias) {
   using TO = typename Ty<O>::T;
 #pragma GCC unroll 6
@@ -1160,6 +1289,8 @@ inline void fma_store(const Task& t, int64_t row0, int64_t col0, int64_t nc, __m
       const __m512 v = _mm512_add_ps(acc[i][j], _mm512_load_ps(bias + 16 * j));
       if (O == Dt::f32 && stream_f32x16(t, crow + 16 * j, nc - 16 * j)) {
         _mm512_stream_ps((float*)(crow + 16 * j), v);
+      } else if (O == Dt::bf16 && kNativeBf16 && t.c_sn == 1) {
+        masked_store_epi16x16((uint16_t*)(crow + 16 * j), mask16(nc - 16 * j), f32_to_bf16x16_native(v));
       } else {
         put16_f32<O>(crow + 16 * j * t.c_sn, t.c_sn, v, nc - 16 * j);
       }
@@ -1167,7 +1298,7 @@ inline void fma_store(const Task& t, int64_t row0, int64_t col0, int64_t nc, __m
   }
 }
 
-template <Dt O, int R>
+template <Dt O, int R, bool = false>
 inline void fma_store(const Task& t, int64_t row0, int64_t col0, int64_t nc, __m512d (&acc)[kMR][4], const double* bias) {
 #pragma GCC unroll 6
   for (int i = 0; i < R; ++i) {
@@ -1203,7 +1334,7 @@ __attribute__((noinline)) void fma_rows(const Task& t, int64_t row0, int64_t col
   }
   fma_kernel<VT, R>(a, lda, b, kc, acc, pf, pf_lines);
   if (last) {
-    fma_store<O, R>(t, row0, col0, nc, acc, bias);
+    fma_store<O, R, VT::kPairs>(t, row0, col0, nc, acc, bias);
   } else {
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
@@ -1277,11 +1408,12 @@ struct PrefetchBlock {
 // is k-contiguous, 64 columns x all of K. Measured here (1 thread, G=64, M=2048, K=N=512, fp32,
 // distinct weights per group): packing 128 x 64 blocks (256 B of each of 128 rows 2 KiB apart)
 // streamed the weights at ~10 GB/s, against ~24 GB/s for a sequential read.
+// With VB the packed operands and the k loops count pairs of k (KU of them) instead of k.
 template <class VT, Dt D, Dt O>
 void fma_item(const Task& t, const Item& it, void* ws) {
   using S = typename VT::S;
-  constexpr int64_t NR = 4 * VT::L;
-  const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, lda = fma_lda<S>(K);
+  constexpr int64_t NR = 4 * VT::L, U = VT::kPairs ? 2 : 1;
+  const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, KU = ceil_div(K, U), lda = fma_lda<S>(KU);
   if constexpr (sizeof(S) == 4) {
     if (t.b_sk == 1 && t.b_sn != 1 && t.m <= kGemvRows) {
       gemv_item<D, O>(t, it, ws);
@@ -1296,14 +1428,19 @@ void fma_item(const Task& t, const Item& it, void* ws) {
   auto align = [](S* p) { return (S*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
   S* ap = align((S*)ws);
   S* bp = align(ap + rows_p * lda);
-  S* bias = align(bp + imax(kKC * kWideCols, imax(K, 1) * NR));
+  S* bias = align(bp + imax(kKC * kWideCols, imax(KU, 1) * NR));
   S* part = align(bias + kWideCols);
-  fma_pack_a<D, S>(t, it, ap, lda);
+  if constexpr (VT::kPairs) pair_pack_a(t, it, ap, lda);
+  else fma_pack_a<D, S>(t, it, ap, lda);
+  auto pack_b = [&](int64_t k0, int64_t kc, int64_t n0, int64_t nc, S* dst) {
+    if constexpr (VT::kPairs) pair_pack_b(t, k0, kc, n0, nc, dst);
+    else fma_pack_b_into<D>(t, k0, kc, n0, nc, dst);
+  };
 
   auto rows_block = [&](int64_t mb, int64_t col0, int64_t nc, const S* b, int64_t k0, int64_t kc, S* pb,
                         const S* bias_blk, PfRun pf) {
     const S* a = ap + mb * lda + k0;
-    const bool first = k0 == 0, last = k0 + kKC >= K;
+    const bool first = k0 == 0, last = k0 + kKC >= KU;
     const int64_t row0 = it.m0 + mb;
     switch (imin(kMR, rows - mb)) {
       case 6: fma_rows<VT, O, 6>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines); break;
@@ -1317,15 +1454,15 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 
   if (t.b_sk == 1 && t.b_sn != 1) {
     // k-contiguous B: 64 columns x all of K per pack (64 runs of K elements), then k blocks.
-    const int64_t calls = imax(1, ceil_div(K, kKC)) * ceil_div(rows, kMR);
+    const int64_t calls = imax(1, ceil_div(KU, kKC)) * ceil_div(rows, kMR);
     for (int64_t nb = 0; nb < cols; nb += NR) {
       const int64_t nc = imin(NR, cols - nb), col0 = it.n0 + nb;
       load_bias<D>(t, col0, nc, bias, NR);
-      fma_pack_b_into<D>(t, 0, K, col0, nc, bp);
+      pack_b(0, KU, col0, nc, bp);
       // The next 64 rows of B^T (columns col0 + 64 ...), past the item's end too.
       PrefetchBlock ahead(t.b, (col0 + NR) * t.b_sn * esz, NR, t.b_sn * esz, K * esz, calls);
-      for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kKC) {  // K == 0: one pass, C = bias
-        const int64_t kc = imin(kKC, K - k0);
+      for (int64_t k0 = 0; k0 == 0 || k0 < KU; k0 += kKC) {  // K == 0: one pass, C = bias
+        const int64_t kc = imin(kKC, KU - k0);
         for (int64_t mb = 0; mb < rows; mb += kMR) {
           rows_block(mb, col0, nc, bp + k0 * NR, k0, kc, part + mb * NR, bias, ahead.take());
         }
@@ -1339,22 +1476,23 @@ void fma_item(const Task& t, const Item& it, void* ws) {
   for (int64_t nw = 0; nw < cols; nw += wide) {
     const int64_t wc = imin(wide, cols - nw), nsub = ceil_div(wc, NR);
     load_bias<D>(t, it.n0 + nw, wc, bias, nsub * NR);
-    for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kKC) {
-      const int64_t kc = imin(kKC, K - k0);
+    for (int64_t k0 = 0; k0 == 0 || k0 < KU; k0 += kKC) {
+      const int64_t kc = imin(kKC, KU - k0);
       if (t.b_sn == 1) {
-        fma_pack_b_rows<D>(t, k0, kc, it.n0 + nw, wc, bp);
+        if constexpr (VT::kPairs) pair_pack_b_rows(t, k0, kc, it.n0 + nw, wc, bp);
+        else fma_pack_b_rows<D>(t, k0, kc, it.n0 + nw, wc, bp);
       } else {
-        for (int64_t sb = 0; sb < nsub; ++sb) {
-          fma_pack_b_into<D>(t, k0, kc, it.n0 + nw + sb * NR, imin(NR, wc - sb * NR), bp + sb * kc * NR);
-        }
+        for (int64_t sb = 0; sb < nsub; ++sb) pack_b(k0, kc, it.n0 + nw + sb * NR, imin(NR, wc - sb * NR), bp + sb * kc * NR);
       }
       // The next slab: the rows after this one, same columns (only for contiguous rows, the
       // layout slabs are packed from). Past K they are the next group's ([G, K, N] weights), as
       // many as this slab has: worth it when this item ends its task, so that this thread's next
       // item is usually the next group's; otherwise (e.g. the weight gradient's row blocks of
       // one group) not.
-      const int64_t ahead_rows = k0 + kc < K ? imin(kKC, K - k0 - kc) : (it.m1 == t.m ? kc : 0);
-      PrefetchBlock ahead(t.b, ((k0 + kc) * t.b_sk + it.n0 + nw) * esz, t.b_sn == 1 ? ahead_rows : 0,
+      // (Rows of B, not pairs: ke is the first row past this slab.)
+      const int64_t ke = imin(K, (k0 + kc) * U);
+      const int64_t ahead_rows = ke < K ? imin(kKC * U, K - ke) : (it.m1 == t.m ? ke - k0 * U : 0);
+      PrefetchBlock ahead(t.b, (ke * t.b_sk + it.n0 + nw) * esz, t.b_sn == 1 ? ahead_rows : 0,
                           t.b_sk * esz, wc * esz, nsub * ceil_div(rows, kMR));
       for (int64_t sb = 0; sb < nsub; ++sb) {
         const int64_t col0 = it.n0 + nw + sb * NR, nc = imin(NR, wc - sb * NR);
@@ -1368,6 +1506,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 }
 
 bool uses_amx(Isa isa, Dt in) { return isa == Isa::amx && in == Dt::bf16; }
+bool uses_pairs(Isa isa, Dt in) { return isa == Isa::avx512bf16 && in == Dt::bf16; }
 
 constexpr int64_t kWholeGroup = int64_t(1) << 40;
 
@@ -1419,8 +1558,14 @@ void run_item(Isa isa, Dt in, Dt out, const Task& task, const Item& item, void* 
   switch (in) {
     case Dt::f32: fma_item<VF, Dt::f32, Dt::f32>(task, item, ws); break;
     case Dt::bf16:
-      if (out == Dt::f32) fma_item<VF, Dt::bf16, Dt::f32>(task, item, ws);
-      else fma_item<VF, Dt::bf16, Dt::bf16>(task, item, ws);
+      if (uses_pairs(isa, in)) {
+        if (out == Dt::f32) fma_item<VB, Dt::bf16, Dt::f32>(task, item, ws);
+        else fma_item<VB, Dt::bf16, Dt::bf16>(task, item, ws);
+      } else if (out == Dt::f32) {
+        fma_item<VF, Dt::bf16, Dt::f32>(task, item, ws);
+      } else {
+        fma_item<VF, Dt::bf16, Dt::bf16>(task, item, ws);
+      }
       break;
     case Dt::f16:
       if (out == Dt::f32) fma_item<VF, Dt::f16, Dt::f32>(task, item, ws);

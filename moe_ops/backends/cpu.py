@@ -6,15 +6,19 @@ splits the groups into (group, row block, column block) items that the threads o
 at::parallel_for region share, and computes each item with:
 
 * "amx": bf16 on CPUs with AMX (tile matmuls, fp32 accumulation);
-* "avx512": fp32 / fp16 / fp64, and bf16 without AMX (AVX-512 FMA, fp32 or fp64 accumulation);
+* "avx512_bf16": bf16 on CPUs with AVX512-BF16 but no AMX, e.g. AMD Zen 4 (VDPBF16PS dot
+  products of bf16 pairs, fp32 accumulation);
+* "avx512": fp32 / fp16 / fp64, and bf16 on other AVX-512 CPUs (AVX-512 FMA, fp32 or fp64
+  accumulation);
 * "aten": ATen's mm on the item's views (any other CPU, or ``MOE_OPS_CPU_ISA=generic``).
 
 Groups of one to four rows (decode: one row per chosen expert) take kernels made for them: dot
 products along k with k-contiguous weights (with AMX only from K = 4096), the rows of W streamed
 with n-contiguous ones.
 
-Groups of at least 2**28 multiply-adds in bf16, 2**26 in fp32 (no bias, output in the input
-dtype) are computed whole by ATen's mm with all threads (oneDNN/MKL), before the items.
+Groups of at least 2**28 multiply-adds in bf16 (only on the "avx512" and "aten" levels), 2**26
+in fp32 (no bias, output in the input dtype) are computed whole by ATen's mm with all threads
+(oneDNN/MKL), before the items.
 
 Outputs of 8 MiB and more come from a per-process cache of mapped memory (csrc/cpu/
 output_cache.cpp): a freed output's block is kept (marked MADV_FREE after a second unused, so
@@ -27,7 +31,7 @@ most 1024; 0 turns the cache off); ``moe_ops.empty_cpu_cache()`` releases them.
 huge pages in place: the kernels stream the weights on every call, and from 4 KiB pages a core
 streams them slower (a page walk per page; README, "Huge pages for the weights").
 
-``MOE_OPS_CPU_ISA=generic|avx512`` caps the instruction set (read once per process). The
+``MOE_OPS_CPU_ISA=generic|avx512|avx512_bf16`` caps the instruction set (read once per process). The
 compiled module is optional: when it is missing (no compiler at install time, a build with
 MOE_OPS_NO_EXTENSION=1) or was built against another torch (it checks before registering
 anything), ``status()`` says why and the op computes CPU calls with the
