@@ -1035,6 +1035,22 @@ int64_t fma_lda(int64_t K) {
   return round_up(imax(K, 1), per_line) + per_line;
 }
 
+// A column-major A (rows contiguous) into rows of `lanes` 32-bit lanes, lda apart: for 16 rows at
+// a time, column(l, r0, rm) gives lane l of rows r0 .. r0 + 15 (rm of them) as one vector, and
+// 16 such vectors are transposed in registers.
+template <class Column>
+void pack_columns_transposed(int64_t rows, int64_t lanes, float* dst, int64_t lda, const Column& column) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const __mmask16 rm = mask16(rows - r0);
+    for (int64_t l0 = 0; l0 < lanes; l0 += 16) {
+      __m512 v[16];
+      for (int64_t x = 0; x < 16; ++x) v[x] = l0 + x < lanes ? column(l0 + x, r0, rm) : _mm512_setzero_ps();
+      transpose16(v);
+      for (int64_t x = 0; x < imin(16, rows - r0); ++x) masked_store_ps(dst + (r0 + x) * lda + l0, mask16(lanes - l0), v[x]);
+    }
+  }
+}
+
 // Rows [m0, m1) of A into [rows rounded up to 6][lda] in the accumulation type (zero rows after).
 template <Dt D, typename S>
 void fma_pack_a(const Task& t, const Item& it, S* dst, int64_t lda) {
@@ -1044,20 +1060,10 @@ void fma_pack_a(const Task& t, const Item& it, S* dst, int64_t lda) {
   constexpr bool f32_lanes = sizeof(S) == 4;  // the vector paths (fp64 takes the scalar one)
   if constexpr (f32_lanes) {
     if (t.a_sm == 1 && t.a_sk != 1) {
-      // Column-major A (x^T in the weight gradient): 16 x 16 blocks transposed in registers.
-      for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const __mmask16 rm = mask16(rows - r0);
-        for (int64_t k0 = 0; k0 < K; k0 += 16) {
-          __m512 v[16];
-          for (int64_t x = 0; x < 16; ++x) {
-            v[x] = k0 + x < K ? load16_f32<D>(a + (k0 + x) * t.a_sk + r0, rm) : _mm512_setzero_ps();
-          }
-          transpose16(v);
-          for (int64_t x = 0; x < imin(16, rows - r0); ++x) {
-            masked_store_ps((float*)dst + (r0 + x) * lda + k0, mask16(K - k0), v[x]);
-          }
-        }
-      }
+      // Column-major A (x^T in the weight gradient).
+      pack_columns_transposed(rows, K, (float*)dst, lda, [&](int64_t k, int64_t r0, __mmask16 rm) {
+        return load16_f32<D>(a + k * t.a_sk + r0, rm);
+      });
       for (int64_t r = rows; r < round_up(rows, kMR); ++r) memset(dst + r * lda, 0, K * sizeof(S));
       return;
     }
@@ -1184,21 +1190,11 @@ void pair_pack_a(const Task& t, const Item& it, float* dst, int64_t lda) {
   const uint16_t* a = (const uint16_t*)t.a + it.m0 * t.a_sm;
   for (int64_t r = rows; r < round_up(rows, kMR); ++r) memset(dst + r * lda, 0, KU * 4);
   if (t.a_sm == 1 && t.a_sk != 1) {
-    // Column-major A (x^T in the weight gradient): the pairs of 16 rows from two k rows, for 16
-    // pairs, then transposed in registers (words as 32-bit lanes).
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-      const __mmask16 rm = mask16(rows - r0);
-      for (int64_t p0 = 0; p0 < KU; p0 += 16) {
-        __m512 v[16];
-        for (int64_t x = 0; x < 16; ++x) {
-          const int64_t k = 2 * (p0 + x);
-          v[x] = k < K ? _mm512_castsi512_ps(pair_words(a + k * t.a_sk + r0, a + (k + 1) * t.a_sk + r0, k + 1 < K, rm))
-                       : _mm512_setzero_ps();
-        }
-        transpose16(v);
-        for (int64_t x = 0; x < imin(16, rows - r0); ++x) masked_store_ps(dst + (r0 + x) * lda + p0, mask16(KU - p0), v[x]);
-      }
-    }
+    // Column-major A (x^T in the weight gradient): the pairs of a column from two k rows.
+    pack_columns_transposed(rows, KU, dst, lda, [&](int64_t p, int64_t r0, __mmask16 rm) {
+      const int64_t k = 2 * p;
+      return _mm512_castsi512_ps(pair_words(a + k * t.a_sk + r0, a + (k + 1) * t.a_sk + r0, k + 1 < K, rm));
+    });
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
