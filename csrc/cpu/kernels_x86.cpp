@@ -993,15 +993,9 @@ struct VD {
 // values: G=64, M=2048, K=N=512 forward / input gradient / weight gradient 6.36 / 6.46 / 6.70 ->
 // 4.09 / 4.42 / 3.92 ms, G=256, M=4096, K=512, N=256 7.78 / 7.73 / 8.09 -> 5.58 / 5.71 / 4.70 ms
 // (one dense torch.mm of the same size, oneDNN: 2.8-3.9 ms).
-struct VB {
-  using V = __m512;
-  using S = float;  // a bf16 pair's bits, moved but never computed with as a float
-  static constexpr int64_t L = 16;
+// VF's loads, stores and broadcasts move the pairs' bits (S = float: never computed with).
+struct VB : VF {
   static constexpr bool kPairs = true;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const S* p) { return _mm512_load_ps(p); }
-  static void store(S* p, V v) { _mm512_store_ps(p, v); }
-  static V bcast(const S* p) { return _mm512_set1_ps(*p); }
   static V fma(V a, V b, V c) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); }
 };
 
