@@ -4,8 +4,8 @@ contract for it, on the best instruction set of this machine).
 Categories:
 * the extension is built, registered on the CPU key, and serves the op, forward and backward,
   eager and compiled;
-* every instruction-set level this machine has (ATen fallback, AVX-512, AVX512-BF16, AMX) against the float64
-  oracle, since the property suite only runs the best one;
+* every instruction-set level this machine has (ATen fallback, AVX-512, AVX512-BF16, AMX)
+  against the float64 oracle, since the property suite only runs the best one;
 * the work split: many tiny and empty groups, results bitwise identical for any thread count;
   groups of up to four rows (decode) through dot products along k or streamed rows of W;
 * memory: uninitialised outputs and reused scratch never leak into results (NaN poisoning),
