@@ -647,23 +647,28 @@ def test_python_threads_calling_at_once_get_the_serial_results():
         assert all(torch.equal(g, w) for g, w in zip(got, want[name])), f"{name} changed after the threads ended"
 
 
-def test_element_offsets_past_2_to_the_31(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_element_offsets_past_2_to_the_31(tmp_path, dtype):
     """mat_b's groups 2**31 + 17 elements apart (a sparse file mapped copy-on-write, so only the
-    touched pages take memory): every offset is computed in 64 bits."""
+    touched pages take memory): every offset is computed in 64 bits, on every level this machine
+    has, with row-major and k-contiguous weights (bf16: the pair packs of both)."""
     n = (1 << 31) + 17 + 16 * 24 + 64
     path = tmp_path / "sparse.bin"
     with open(path, "wb") as f:
-        f.truncate(n * 4)
-    base = torch.from_file(str(path), shared=False, size=n, dtype=torch.float32)
-    b = base.as_strided((2, 16, 24), ((1 << 31) + 17, 24, 1))
+        f.truncate(n * dtype.itemsize)
+    base = torch.from_file(str(path), shared=False, size=n, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
-    b.copy_(torch.randn(2, 16, 24, generator=gen))
-    a = torch.randn(30, 16, generator=gen)
+    a = torch.randn(30, 16, generator=gen).to(dtype)
     offs = torch.tensor([11, 30], dtype=torch.int32)
-    for isa in ("generic", "avx512"):
-        if ISA[isa] <= ISA[torch.ops.moe_cpu.machine()]:
-            check(run((a, b, offs, None, None), isa), a, b, offs, None, None, what=isa)
-    check(moe_ops.grouped_mm(a, b, offs), a, b, offs, None, None, what="op")
+    weights = {"[G,K,N]": lambda: base.as_strided((2, 16, 24), ((1 << 31) + 17, 24, 1)),
+               "[G,N,K]": lambda: base.as_strided((2, 24, 16), ((1 << 31) + 17, 16, 1)).transpose(1, 2)}
+    levels = [isa for isa in ISA if ISA[isa] <= ISA[torch.ops.moe_cpu.machine()]]
+    for name, view in weights.items():
+        b = view()  # both views share the file's pages: one at a time
+        b.copy_(torch.randn(2, 16, 24, generator=gen).to(dtype))
+        for isa in levels:
+            check(run((a, b, offs, None, None), isa), a, b, offs, None, None, what=f"{isa} {name}")
+        check(moe_ops.grouped_mm(a, b, offs), a, b, offs, None, None, what=f"op {name}")
 
 
 def test_without_the_compiled_module_the_reference_serves_cpu_calls():
