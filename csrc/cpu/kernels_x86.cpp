@@ -1029,9 +1029,10 @@ int64_t fma_lda(int64_t K) {
   return round_up(imax(K, 1), per_line) + per_line;
 }
 
-// A column-major A (rows contiguous) into rows of `lanes` 32-bit lanes, lda apart: for 16 rows at
-// a time, column(l, r0, rm) gives lane l of rows r0 .. r0 + 15 (rm of them) as one vector, and
-// 16 such vectors are transposed in registers.
+// `rows` rows of `lanes` 32-bit lanes, lda apart, from a source whose lanes run along its rows
+// (a column-major A, or a k-contiguous B whose k becomes the packed rows): for 16 rows at a time,
+// column(l, r0, rm) gives lane l of rows r0 .. r0 + 15 (rm of them) as one vector, and 16 such
+// vectors are transposed in registers.
 template <class Column>
 void pack_columns_transposed(int64_t rows, int64_t lanes, float* dst, int64_t lda, const Column& column) {
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
@@ -1080,30 +1081,17 @@ void fma_pack_a(const Task& t, const Item& it, S* dst, int64_t lda) {
   }
 }
 
-// B[k0 : k0 + kc, n0 : n0 + nc] into [kc][64] fp32, zero-padded columns.
+// B[k0 : k0 + kc, n0 : n0 + nc] into [kc][64] fp32, zero-padded columns. For B without contiguous
+// rows: fma_item packs those with fma_pack_b_rows.
 template <Dt D>
 void fma_pack_b(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t nc, float* dst) {
   using T = typename Ty<D>::T;
   const T* b = (const T*)t.b + k0 * t.b_sk + n0 * t.b_sn;
-  if (t.b_sn == 1) {
-    for (int64_t k = 0; k < kc; ++k) {
-      for (int64_t j = 0; j < 64; j += 16) {
-        _mm512_store_ps(dst + k * 64 + j, j < nc ? load16_f32<D>(b + k * t.b_sk + j, mask16(nc - j)) : _mm512_setzero_ps());
-      }
-    }
-  } else if (t.b_sk == 1) {
+  if (t.b_sk == 1) {
     // k-contiguous (transposed weights): 16 columns x 16 k at a time, transposed in registers.
-    for (int64_t kk = 0; kk < kc; kk += 16) {
-      const __mmask16 km = mask16(kc - kk);
-      for (int64_t j = 0; j < 64; j += 16) {
-        __m512 r[16];
-        for (int64_t c = 0; c < 16; ++c) {
-          r[c] = j + c < nc ? load16_f32<D>(b + (j + c) * t.b_sn + kk, km) : _mm512_setzero_ps();
-        }
-        transpose16(r);
-        for (int64_t x = 0; x < imin(16, kc - kk); ++x) _mm512_store_ps(dst + (kk + x) * 64 + j, r[x]);
-      }
-    }
+    pack_columns_transposed(kc, 64, dst, 64, [&](int64_t j, int64_t kk, __mmask16 km) {
+      return j < nc ? load16_f32<D>(b + j * t.b_sn + kk, km) : _mm512_setzero_ps();
+    });
   } else {
     for (int64_t k = 0; k < kc; ++k) {
       for (int64_t j = 0; j < 64; ++j) dst[k * 64 + j] = j < nc ? Ty<D>::get(b + k * t.b_sk + j * t.b_sn) : 0.0f;
@@ -1111,17 +1099,11 @@ void fma_pack_b(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t nc, f
   }
 }
 
-// fp64 into [kc][32].
+// fp64 into [kc][32] (B without contiguous rows, as fma_pack_b).
 void fma_pack_b_f64(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t nc, double* dst) {
   const double* b = (const double*)t.b + k0 * t.b_sk + n0 * t.b_sn;
   for (int64_t k = 0; k < kc; ++k) {
-    if (t.b_sn == 1) {
-      for (int64_t j = 0; j < 32; j += 8) {
-        _mm512_store_pd(dst + k * 32 + j, j < nc ? masked_load_pd(mask8(nc - j), b + k * t.b_sk + j) : _mm512_setzero_pd());
-      }
-    } else {
-      for (int64_t j = 0; j < 32; ++j) dst[k * 32 + j] = j < nc ? b[k * t.b_sk + j * t.b_sn] : 0.0;
-    }
+    for (int64_t j = 0; j < 32; ++j) dst[k * 32 + j] = j < nc ? b[k * t.b_sk + j * t.b_sn] : 0.0;
   }
 }
 
@@ -1204,33 +1186,17 @@ void pair_pack_a(const Task& t, const Item& it, float* dst, int64_t lda) {
 }
 
 // Pairs [p0, p0 + pc) of columns [n0, n0 + nc) of B into [pc][64] words (zero columns past nc).
+// For B without contiguous rows: fma_item packs those with pair_pack_b_rows.
 void pair_pack_b(const Task& t, int64_t p0, int64_t pc, int64_t n0, int64_t nc, float* dst) {
   const int64_t K = t.k;
   const uint16_t* b = (const uint16_t*)t.b + n0 * t.b_sn;
-  if (t.b_sn == 1) {
-    for (int64_t p = 0; p < pc; ++p) {
-      const int64_t k = 2 * (p0 + p);
-      for (int64_t j = 0; j < 64; j += 16) {
-        const __m512i w = j < nc ? pair_words(b + k * t.b_sk + j, b + (k + 1) * t.b_sk + j, k + 1 < K, mask16(nc - j))
-                                 : _mm512_setzero_si512();
-        _mm512_store_si512(dst + p * 64 + j, w);
-      }
-    }
-  } else if (t.b_sk == 1) {
+  if (t.b_sk == 1) {
     // k-contiguous (transposed weights): a pair is one word of a column, so 16 columns x 16
     // pairs are one 16 x 16 transpose of words.
-    for (int64_t pp = 0; pp < pc; pp += 16) {
+    pack_columns_transposed(pc, 64, dst, 64, [&](int64_t j, int64_t pp, __mmask16) {
       const int64_t k = 2 * (p0 + pp);
-      const __mmask32 km = mask32(K - k);
-      for (int64_t j = 0; j < 64; j += 16) {
-        __m512 r[16];
-        for (int64_t c = 0; c < 16; ++c) {
-          r[c] = j + c < nc ? _mm512_castsi512_ps(masked_load_epi16x32(km, b + (j + c) * t.b_sn + k)) : _mm512_setzero_ps();
-        }
-        transpose16(r);
-        for (int64_t x = 0; x < imin(16, pc - pp); ++x) _mm512_store_ps(dst + (pp + x) * 64 + j, r[x]);
-      }
-    }
+      return j < nc ? _mm512_castsi512_ps(masked_load_epi16x32(mask32(K - k), b + j * t.b_sn + k)) : _mm512_setzero_ps();
+    });
   } else {
     uint32_t* d = (uint32_t*)dst;
     for (int64_t p = 0; p < pc; ++p) {

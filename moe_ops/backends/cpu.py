@@ -114,12 +114,13 @@ def empty_cache() -> int:
 
 
 _MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # linux/mman.h; MADV_COLLAPSE since Linux 6.1
+_THP = "/sys/kernel/mm/transparent_hugepage"
 
 
 def _huge_page_bytes() -> int:
     """The size of a transparent huge page: 2 MiB on x86-64 (and arm64 with 4 KiB pages)."""
     try:
-        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+        with open(f"{_THP}/hpage_pmd_size") as f:
             return int(f.read())
     except (OSError, ValueError):
         return 2 << 20
@@ -128,7 +129,7 @@ def _huge_page_bytes() -> int:
 def thp_mode() -> str:
     """Linux's transparent huge page mode ("always", "madvise" or "never"), "" where there is none."""
     try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        with open(f"{_THP}/enabled") as f:
             text = f.read()
     except OSError:
         return ""
