@@ -30,6 +30,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 
 #include "../common/torch_version_guard.h"
 
@@ -184,10 +185,24 @@ struct GroupedMMBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable a_, b_, offs_;
 };
 
+// A new node in the pointer type this torch's autograd edges hold: std::shared_ptr<Node> up to
+// torch 2.11 (checked against its headers), c10::intrusive_ptr<Node> in 2.13. Decided from
+// Edge::function's type, so the module builds against either (the GPU machines lent to this
+// project carry torch 2.11).
+template <class T>
+auto make_node() {
+  using NodePtr = decltype(torch::autograd::Edge::function);
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>();
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
 Tensor with_node(c10::DispatchKeySet ks, const Tensor& a, const Tensor& b, const std::optional<Tensor>& offs,
                  const std::optional<Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
   const bool has_bias = bias.has_value() && bias->defined();
-  auto node = c10::make_intrusive<GroupedMMBackward>();
+  auto node = make_node<GroupedMMBackward>();
   node->set_next_edges(has_bias ? torch::autograd::collect_next_edges(a, b, *bias)
                                 : torch::autograd::collect_next_edges(a, b));
   node->saved = saved_of(a, b, bias);
