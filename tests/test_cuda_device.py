@@ -72,16 +72,19 @@ def test_vmap_without_host_sync():
     xs = torch.stack([a, 2 * a, -a])
     ws = torch.stack([b, -b, 0.5 * b])
     rows = torch.tensor([[10, 10, 70], [-2, 30, 50], [0, 0, 64]], dtype=torch.int32)
+    # Copied to the device before the checked region: a copy from host memory is itself a
+    # synchronizing operation (the H200 run of 2026-11-30 failed on xs.cuda() there).
+    xs_d, ws_d, rows_d, b_d = xs.cuda(), ws.cuda(), rows.cuda(), b.cuda()
     run = torch.vmap(lambda x, w, o: moe_ops.grouped_mm(x, w, o))
-    routed = torch.vmap(lambda x, o: moe_ops.grouped_mm(x, b.cuda(), o))  # shared weights: rows sorted
-    run(xs.cuda(), ws.cuda(), rows.cuda())  # compiles the kernels outside the checked region
-    routed(xs.cuda(), rows.cuda())
+    routed = torch.vmap(lambda x, o: moe_ops.grouped_mm(x, b_d, o))  # shared weights: rows sorted
+    run(xs_d, ws_d, rows_d)  # compiles the kernels outside the checked region
+    routed(xs_d, rows_d)
     torch.cuda.synchronize()
     moe_ops.reset_kernel_counts()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = run(xs.cuda(), ws.cuda(), rows.cuda())
-        shared = routed(xs.cuda(), rows.cuda())
+        out = run(xs_d, ws_d, rows_d)
+        shared = routed(xs_d, rows_d)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sum(moe_ops.kernel_counts().values()) == 2
