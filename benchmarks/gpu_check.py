@@ -170,7 +170,7 @@ def run_suite(out_dir: Path, timeout_s: float, examples: int) -> dict:
     log_path, xml_path = out_dir / "pytest.log", out_dir / "pytest.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "tests", "--ignore=tests/test_cuda_blackwell.py",
            "-k", "cuda and not compile and not interpreter",
-           "-p", "gpu_check", "-p", "no:cacheprovider", f"--junitxml={xml_path}"]
+           "-p", "gpu_check", "-p", "no:cacheprovider", "--durations=25", f"--junitxml={xml_path}"]
     env = dict(os.environ, MOE_OPS_REQUIRE_BACKENDS="cuda", MOE_OPS_GPU_CHECK_EXAMPLES=str(examples),
                PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
