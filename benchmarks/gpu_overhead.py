@@ -10,9 +10,8 @@ the final synchronize) and the host plus the GPU (after it), for: ``moe_ops.grou
 Triton launcher ``triton_kernels.grouped_mm``; offs is clamped inside the Triton kernels);
 ``torch._grouped_mm``; and a forward + backward (``torch.autograd.grad`` for both inputs) of
 the op with each of its Autograd kernels (C++ and Python) and of ``torch._grouped_mm``.
-The op and the launcher are also timed with the launch cache off (every launch through
-Triton's ``kernel[grid](...)``), and the per-call pieces of the CUDA path around them (the
-``torch.cuda.device`` switch, the output's ``torch.empty``). Every piece's host time is also
+Also timed: the per-call pieces of the CUDA path around the launcher (the ``torch.cuda.device``
+switch, the output's ``torch.empty``). Every piece's host time is also
 read while a sleep kernel holds the stream (``host_us_while_gpu_busy``: a call that waits for the
 GPU shows milliseconds there). Every piece also gets its device time with the host hidden (``gpu_us``: the calls are queued
 behind a sleep kernel, so the events around them time the GPU alone) and gpu_check.py's
@@ -98,14 +97,6 @@ def host_us_while_busy(fn, n: int = 10, sleep_ms: float = 20.0) -> float:
     return host / n * 1e6
 
 
-def _without_launch_cache(tk, fn):
-    tk.use_launch_cache(False)
-    try:
-        return fn()
-    finally:
-        tk.use_launch_cache(True)
-
-
 def _enter_and_exit(context) -> None:
     with context:
         pass
@@ -185,10 +176,6 @@ def main(argv=None) -> int:
             "check_args": lambda: _contract.check_args(a, b, offs),
             "select": lambda: cuda.select(cap, toolchains, p.dtype, p.layout),
             "triton_kernels.grouped_mm": lambda: tk.grouped_mm(p, a, b, offs, None, arch=arch),
-            "triton_kernels.grouped_mm (launch cache off)": lambda: _without_launch_cache(
-                tk, lambda: tk.grouped_mm(p, a, b, offs, None, arch=arch)),
-            "moe_ops.grouped_mm (launch cache off)": lambda: _without_launch_cache(
-                tk, lambda: moe_ops.grouped_mm(a, b, offs)),
             "torch._grouped_mm": lambda: torch._grouped_mm(a, b, offs=offs),
         }
         a_g, b_g = a.detach().requires_grad_(), b.detach().requires_grad_()

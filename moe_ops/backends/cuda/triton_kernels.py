@@ -412,60 +412,6 @@ def _programs(device: torch.device, config: TileConfig, tiles_bound: int) -> int
     return max(1, min(_num_sms[index] * config.programs_per_sm, tiles_bound))
 
 
-# Launch cache. Triton's ``kernel[grid](...)`` binds and specializes every argument, hashes
-# the specialization into its cache key and looks hooks up, per call: 35 us of host time on the
-# H200 machine of 2026-11-30 (triton 3.6), where the whole op took 73 us and torch._grouped_mm
-# 20 us. Once a kernel has been launched through Triton for a given specialization, later
-# launches with the same one call the compiled kernel's launcher directly.
-_compiled: dict = {}
-_launch_cache_on = True
-
-
-def use_launch_cache(enabled: bool = True) -> None:
-    """Turn the launch cache on (default) or off (every launch through Triton's own path), for
-    A/B measurements (benchmarks/gpu_overhead.py)."""
-    global _launch_cache_on
-    _launch_cache_on = bool(enabled)
-
-
-def specialization_key(args) -> tuple:
-    """What Triton specializes a launch on, per runtime argument (tensors and ints): a tensor's
-    dtype and 16-byte alignment; an int's being 1, its divisibility by 16, and whether it fits
-    int32 / int64. Equal keys mean equal Triton specializations: ``tests/test_cuda_launch.py``
-    checks that against Triton's own binder, so a Triton that specializes on more fails it."""
-    return tuple(
-        (v == 1, v % 16 == 0, -0x80000000 <= v <= 0x7FFFFFFF, v <= 0x7FFFFFFFFFFFFFFF) if isinstance(v, int)
-        else (v.dtype, v.data_ptr() % 16 == 0)
-        for v in args
-    )
-
-
-def _launch(kernel, grid: int, args: tuple, meta: dict) -> None:
-    """``kernel[(grid,)](*args, **meta)`` on the current CUDA device and stream. args: the
-    runtime arguments (tensors, ints) in signature order; meta: the constexprs (which follow
-    them in the signature) and the compile options (num_warps, ...)."""
-    knobs = getattr(triton, "knobs", None)
-    hooked = (not _launch_cache_on or knobs is None or knobs.runtime.launch_enter_hook is not None
-              or knobs.runtime.launch_exit_hook is not None)
-    device = torch.cuda.current_device()
-    key = (kernel, device, tuple(meta.items()), specialization_key(args))
-    compiled = None if hooked else _compiled.get(key)
-    if compiled is None:
-        compiled = kernel[(grid,)](*args, **meta)
-        # Cached only as a finished kernel (not a future of an asynchronous compile).
-        if not hooked and hasattr(compiled, "packed_metadata") and not hasattr(compiled, "result"):
-            _compiled[key] = compiled
-        return
-    constexprs = [meta[name] for name in kernel.arg_names[len(args):]]
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
-                 *constexprs)
-
-
-def _interpret_launch(kernel, grid: int, args: tuple, meta: dict) -> None:
-    kernel[(grid,)](*args, **meta)
-
-
 def _cdiv(a: int, b: int) -> int:
     # Not triton.cdiv: a ConstexprFunction in triton 3.9, 1.5 us per call from Python.
     return -(-a // b)
@@ -523,7 +469,6 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
     )
 
     launch = launch_options(config)
-    run = _interpret_launch if interpret else _launch
 
     def grid_size(tiles_bound):
         if programs is not None:
@@ -533,10 +478,11 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
     if p.layout == LAYOUT_2D2D:
         tiles = p.G * _cdiv(p.M, config.BM) * _cdiv(p.N, config.BN)
         nprog = grid_size(tiles)
-        args = (mat_a, mat_b, out, offs, p.M, p.N, p.K, p.G,
-                mat_a.stride(0), mat_a.stride(1), mat_b.stride(0), mat_b.stride(1),
-                out.stride(0), out.stride(1), out.stride(2), nprog)
-        run(kernels._ragged_k_kernel, nprog, args, {**common, **launch})
+        kernels._ragged_k_kernel[(nprog,)](
+            mat_a, mat_b, out, offs, p.M, p.N, p.K, p.G,
+            mat_a.stride(0), mat_a.stride(1), mat_b.stride(0), mat_b.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), nprog, **common, **launch,
+        )
         return out
 
     if p.layout == LAYOUT_3D2D:
@@ -561,7 +507,10 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
     nprog = grid_size(row_tiles * _cdiv(N, config.BN))
     has_bias = bias is not None
     s_bias = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
-    args = (a, b, o, bias if has_bias else o, offs if has_offs else o, M, N, p.K, p.G,
-            *s_a, b.stride(0), b.stride(1), b.stride(2), *s_o, *s_bias, nprog)
-    run(kernels._rows_kernel, nprog, args, dict(HAS_OFFS=has_offs, HAS_BIAS=has_bias, **common, **launch))
+    kernels._rows_kernel[(nprog,)](
+        a, b, o, bias if has_bias else o, offs if has_offs else o,
+        M, N, p.K, p.G,
+        *s_a, b.stride(0), b.stride(1), b.stride(2), *s_o, *s_bias,
+        nprog, HAS_OFFS=has_offs, HAS_BIAS=has_bias, **common, **launch,
+    )
     return out
