@@ -6,7 +6,8 @@ This is the measurement behind ``tile_config`` in moe_ops/backends/cuda/triton_k
 the MoE expert GEMMs of benchmarks/gpu_check.py (Mixtral 8x7B, DeepSeek-V3, Qwen3-30B-A3B) and
 each direction (forward 2Dx3D; input gradient, 2Dx3D with mat_b a transposed [G, N, K] view;
 weight gradient, 2Dx2D ragged over M), it times the heuristic's choice, every candidate of
-CANDIDATES, and torch._grouped_mm on the same bf16 tensors (CUDA events, median of batches), and
+CANDIDATES, on sm_90+ each of those again with TMA operand copies (``--no-tma`` leaves them
+out; the forward and input gradient only), and torch._grouped_mm on the same bf16 tensors (CUDA events, median of batches), and
 writes ``tile_sweep.json`` after every shape, so a run cut short keeps what it measured. Every
 configuration's result is compared with a loop of torch.mm before it is timed.
 """
@@ -14,6 +15,7 @@ configuration's result is compared with a loop of torch.mm before it is timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -89,6 +91,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
     ap.add_argument("--budget-s", type=float, default=120.0)
+    ap.add_argument("--tma", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time each configuration with TMA operand copies (forward, input gradient; sm_90+)")
     ap.add_argument("--shapes", default="qwen3-30b-a3b:16384,deepseek-v3:16384,mixtral-8x7b:16384,"
                                         "qwen3-30b-a3b:4096,deepseek-v3:65536")
     args = ap.parse_args(argv)
@@ -119,11 +123,15 @@ def main(argv=None) -> int:
                 ("x".join(map(str, c)), tk.TileConfig(c[0], c[1], c[2], GROUP_M=8, num_warps=c[3], num_stages=c[4],
                                                      programs_per_sm=c[5], epilogue_split=c[1] >= 256))
                 for c in CANDIDATES]
+            if args.tma and direction != "weight-grad" and arch >= 90:
+                # Each configuration's twin with TMA operand copies, right after it.
+                configs = [twin for name, cfg in configs
+                           for twin in ((name, cfg), (name + " tma", dataclasses.replace(cfg, tma=True)))]
             for name, cfg in configs:
                 if time.perf_counter() > deadline:
                     break
                 entry = row["configs"][name] = {"config": [cfg.BM, cfg.BN, cfg.BK, cfg.num_warps, cfg.num_stages,
-                                                           cfg.programs_per_sm]}
+                                                           cfg.programs_per_sm], "tma": cfg.tma}
                 try:
                     out = tk.grouped_mm(p, a, b, offs, None, config=cfg, arch=arch)
                     err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12))

@@ -54,6 +54,8 @@ class Variant:
     precision: str = "tf32"
     mma: str = "tensor cores"  # "tensor cores" (16-bit or tf32), "fp64" (DMMA) or "none" (FMA)
     env: tuple = ()  # environment variables set while the variant is built
+    tma: bool = False  # a_ptr / b_ptr are TMA descriptors (MOE_OPS_CUDA_TMA=1; sm_90 and newer)
+    b_k_contiguous: bool = False  # with tma: mat_b is the transposed view of a [G, N, K] tensor
 
 
 VARIANTS = {
@@ -65,6 +67,15 @@ VARIANTS = {
                                                 unit_strides=("s_ak", "s_bk", "s_on")),
     "3d3d bf16": Variant("rows", torch.bfloat16, torch.bfloat16, has_offs=False,
                          unit_strides=("s_ak", "s_bn", "s_on")),
+    # The same three with TMA operand copies (opt-in, sm_90+).
+    "forward bf16 bias fp32-out TMA": Variant("rows", torch.bfloat16, torch.float32, has_bias=True,
+                                              unit_strides=("s_on", "s_biasn"), env=(("MOE_OPS_CUDA_TMA", "1"),),
+                                              tma=True),
+    "input-grad fp16 transposed mat_b TMA": Variant("rows", torch.float16, torch.float16, offs_dtype=torch.int64,
+                                                    unit_strides=("s_on",), env=(("MOE_OPS_CUDA_TMA", "1"),),
+                                                    tma=True, b_k_contiguous=True),
+    "3d3d bf16 TMA": Variant("rows", torch.bfloat16, torch.bfloat16, has_offs=False, unit_strides=("s_on",),
+                             env=(("MOE_OPS_CUDA_TMA", "1"),), tma=True),
     # Weight gradient: x.T [K_in, M] (column-major) @ grad [M, N] over ragged M, fp32 output.
     "weight-grad bf16 fp32-out": Variant("ragged_k", torch.bfloat16, torch.float32, unit_strides=("s_am", "s_bn", "s_on")),
     "weight-grad fp16": Variant("ragged_k", torch.float16, torch.float16, unit_strides=("s_am", "s_bn", "s_on")),
@@ -82,7 +93,7 @@ VARIANTS = {
 
 _POINTERS = {"a_ptr", "b_ptr", "out_ptr", "bias_ptr", "offs_ptr"}
 _KERNEL_CONSTEXPRS = {"HAS_OFFS", "HAS_BIAS", "BM", "BN", "BK", "GROUP_M", "ACC_DTYPE", "PRECISION", "DOT_UPCAST",
-                      "EPILOGUE_SPLIT"}
+                      "EPILOGUE_SPLIT", "TMA", "B_K_CONTIGUOUS"}
 
 
 def _source(v: Variant, arch: int, monkeypatch):
@@ -95,15 +106,25 @@ def _source(v: Variant, arch: int, monkeypatch):
                       EPILOGUE_SPLIT=cfg.epilogue_split)
     assert constexprs["PRECISION"] == v.precision
     if v.kernel == "rows":
-        constexprs.update(HAS_OFFS=v.has_offs, HAS_BIAS=v.has_bias)
+        constexprs.update(HAS_OFFS=v.has_offs, HAS_BIAS=v.has_bias, TMA=v.tma, B_K_CONTIGUOUS=v.b_k_contiguous)
         if v.has_offs:  # 2Dx3D: rows are global, no batch stride
             constexprs.update(s_ag=0, s_og=0)
+    descriptors = {}
+    if v.tma:
+        assert cfg.tma, f"tile_config({arch}) did not take the TMA opt-in"
+        tl_type = _TL[v.dtype]
+        a_block = [cfg.BM, cfg.BK] if v.has_offs else [1, cfg.BM, cfg.BK]
+        b_block = [1, cfg.BN, cfg.BK] if v.b_k_contiguous else [1, cfg.BK, cfg.BN]
+        descriptors = {"a_ptr": f"tensordesc<{tl_type}{a_block}>", "b_ptr": f"tensordesc<{tl_type}{b_block}>"}
     for name in v.unit_strides:
         constexprs[name] = 1
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name in descriptors:
+            signature[name] = descriptors[name]
+            continue
         elif name == "offs_ptr":
             signature[name] = "*" + ("i32" if v.offs_dtype == torch.int32 else "i64")
         elif name == "out_ptr":
@@ -143,9 +164,13 @@ def _cuobjdump(kernel, flag: str) -> str:
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_kernel_variant_compiles_for_target(name, arch, monkeypatch):
     v = VARIANTS[name]
+    if v.tma and arch < 90:
+        pytest.skip("TMA copies need sm_90 or newer; tile_config never asks for them below")
     kernel = _compile(name, arch, monkeypatch)
     ptx = kernel.asm["ptx"]
     assert f".target sm_{arch}" in ptx
+    if v.tma:
+        assert "cp.async.bulk.tensor" in ptx, f"{name} on sm_{arch}: no TMA copy in the PTX"
     if v.mma == "tensor cores":
         assert _MMA_PTX[arch] in ptx, f"{name} on sm_{arch}: no {_MMA_PTX[arch]} in the PTX"
         ttgir = kernel.asm["ttgir"]
@@ -167,6 +192,8 @@ _STACK_BYTES = 64
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", [n for n, v in VARIANTS.items() if v.mma == "tensor cores"])
 def test_no_register_spills(name, arch, monkeypatch):
+    if VARIANTS[name].tma and arch < 90:
+        pytest.skip("TMA copies need sm_90 or newer")
     usage = _cuobjdump(_compile(name, arch, monkeypatch), "-res-usage")
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     assert stack <= _STACK_BYTES, f"{name} on sm_{arch}: {stack} bytes of spilled registers per thread"
@@ -176,6 +203,13 @@ def test_no_register_spills(name, arch, monkeypatch):
 def test_sass_uses_tensor_cores(arch, monkeypatch):
     sass = _cuobjdump(_compile("forward bf16 bias fp32-out", arch, monkeypatch), "-sass")
     assert _MMA_SASS[arch] in sass, f"no {_MMA_SASS[arch]} in the sm_{arch} SASS"
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a >= 90])
+@pytest.mark.parametrize("name", [n for n, v in VARIANTS.items() if v.tma])
+def test_tma_variants_copy_with_tma_in_sass(name, arch, monkeypatch):
+    sass = _cuobjdump(_compile(name, arch, monkeypatch), "-sass")
+    assert "UTMALDG" in sass and _MMA_SASS[arch] in sass, f"{name} on sm_{arch}: no UTMALDG / {_MMA_SASS[arch]}"
 
 
 def test_tf32_opt_in_uses_tensor_cores(monkeypatch):

@@ -7,6 +7,8 @@ Categories:
   contract says (tail rows, empty 2Dx2D groups), so ``torch.empty`` outputs are safe;
 * layouts and options: transposed mat_b (strides, no copy), 2Dx2D with fp32 output, 3Dx3D with
   strided operands and bias, 3Dx2D through the transposition identity, fp64;
+* the opt-in TMA operand copies (tensor descriptors): straddling tiles, tails zero-filled by
+  the copies' bounds, transposed mat_b, 3Dx3D, and the operands it declines;
 * 64-bit indices: operands whose element offsets pass 2^31, in a sparse memory-mapped file;
 * the interpreter-only bf16 upcast flag, and the registered kernel through the dispatcher.
 
@@ -139,6 +141,73 @@ def test_3d2d_through_the_transposition_identity():
     out = _run(a, b, offs)
     _check(out, a, b, offs, what="3d2d")
     assert torch.count_nonzero(out[:, 38:]) == 0
+
+
+TMA_SMALL = tk.TileConfig(16, 16, 16, GROUP_M=2, tma=True)
+TMA_SPLIT = tk.TileConfig(16, 32, 16, GROUP_M=2, epilogue_split=True, tma=True)
+
+
+@pytest.mark.parametrize("config", [TMA_SMALL, TMA_SPLIT], ids=["whole-epilogue", "split-epilogue"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_tma_copies_straddling_tiles_empty_groups_and_tail(dtype, config):
+    # The opt-in TMA path (MOE_OPS_CUDA_TMA=1 on sm_90+): tiles of 16 rows straddle the group
+    # ends 5, 21, 40, 61 (group 2 empty), whole rows of the next group are copied in and must
+    # be dropped at the store; K = N = 40 end mid-tile (zero-filled by the copies' bounds); rows
+    # 61.. are past offs[-1]; bias and fp32 output.
+    a = _randn(70, 40, dtype=dtype, seed=40)
+    b = _randn(5, 40, 40, dtype=dtype, seed=41)
+    bias = _randn(5, 40, dtype=dtype, seed=42)
+    offs = torch.tensor([5, 21, 21, 40, 61], dtype=torch.int32)
+    assert tk._tma_descriptors(a, b, False, config) is not None
+    out = _run(a, b, offs, bias, torch.float32, config=config)
+    _check(out, a, b, offs, bias, torch.float32, what=f"2d3d TMA {dtype}")
+    assert torch.count_nonzero(out[61:]) == 0
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_tma_copies_transposed_mat_b_and_3d3d(dtype):
+    # The input gradient's [G, N, K] storage seen as [G, K, N] (described as [G, N, K], each tile
+    # transposed), and 3Dx3D with 21 rows per batch: a 16-row tile's last rows are past its
+    # batch and must come in as zeros (the batch's bounds, not the next batch's rows).
+    a = _randn(45, 48, dtype=dtype, seed=43)
+    b = _randn(3, 24, 48, dtype=dtype, seed=44).transpose(1, 2)
+    offs = torch.tensor([10, 10, 41])
+    assert tk._tma_descriptors(a, b, False, TMA_SPLIT)[2] is True
+    out = _run(a, b, offs, config=TMA_SPLIT)
+    _check(out, a, b, offs, what=f"transposed mat_b TMA {dtype}")
+    assert torch.count_nonzero(out[41:]) == 0
+    a3 = _randn(3, 21, 40, dtype=dtype, seed=45)
+    b3 = _randn(3, 40, 24, dtype=dtype, seed=46)
+    bias3 = _randn(3, 24, dtype=dtype, seed=47)
+    assert tk._tma_descriptors(a3, b3, True, TMA_SMALL) is not None
+    _check(_run(a3, b3, None, bias3, config=TMA_SMALL), a3, b3, None, bias3, what=f"3d3d TMA {dtype}")
+
+
+def test_tma_declined_where_copies_cannot_describe_the_operands():
+    # TMA needs a unit innermost stride, a 16-byte aligned base and 16-byte multiples for the
+    # other strides: K = 36 bf16 rows are 72 bytes apart; a view one element in is 2-byte
+    # aligned; mat_b strided in both inner dimensions has no unit stride. Those run the pointer
+    # loads, with the same results.
+    b = _randn(3, 40, 24, dtype=torch.bfloat16, seed=48)
+    a = _randn(30, 40, dtype=torch.bfloat16, seed=49)
+    offs = torch.tensor([8, 20, 30])
+    cases = {
+        "K*2 bytes not a multiple of 16": (_randn(30, 36, dtype=torch.bfloat16, seed=50), b[:, :36]),
+        "base not 16-byte aligned": (_randn(30 * 40 + 1, dtype=torch.bfloat16, seed=51)[1:].view(30, 40), b),
+        "no unit stride in mat_b": (a, _randn(3, 80, 48, dtype=torch.bfloat16, seed=52)[:, ::2, ::2]),
+    }
+    for what, (x, w) in cases.items():
+        assert tk._tma_descriptors(x, w, False, TMA_SMALL) is None, what
+        _check(_run(x, w, offs, config=TMA_SMALL), x, w, offs, what=what)
+    assert tk._tma_descriptors(a, b, False, TMA_SMALL) is not None
+
+
+def test_tma_is_opt_in_and_only_for_16_bit_on_sm90_and_newer(monkeypatch):
+    monkeypatch.delenv(tk.TMA_ENV, raising=False)
+    assert not tk.tile_config(90, torch.bfloat16).tma
+    monkeypatch.setenv(tk.TMA_ENV, "1")
+    assert tk.tile_config(90, torch.bfloat16).tma and tk.tile_config(100, torch.float16, 16).tma
+    assert not tk.tile_config(80, torch.bfloat16).tma and not tk.tile_config(90, torch.float32).tma
 
 
 def test_default_interpreter_config():

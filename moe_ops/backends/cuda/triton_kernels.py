@@ -58,6 +58,7 @@ import triton.language as tl
 from ..._contract import LAYOUT_2D2D, LAYOUT_2D3D, LAYOUT_3D2D, LAYOUT_3D3D, Problem
 
 FP32_PRECISION_ENV = "MOE_OPS_CUDA_FP32_PRECISION"
+TMA_ENV = "MOE_OPS_CUDA_TMA"
 FP32_PRECISIONS = ("ieee", "tf32", "tf32x3")
 
 
@@ -73,7 +74,7 @@ def _rows_kernel(
     HAS_OFFS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, TMA: tl.constexpr = False, B_K_CONTIGUOUS: tl.constexpr = False,
 ):
     """out[rows_g, :] = a[rows_g, :] @ b[g] (+ bias[g]) for every group g; zeros elsewhere.
 
@@ -81,6 +82,8 @@ def _rows_kernel(
     global; rows are local to the group for 3Dx3D). b: [G, K, N]. out: addressed like a with
     (s_og, s_om, s_on). bias: [G, N] or unused. offs: [G] int32/int64 group ends over M (valid
     partition), unused when HAS_OFFS is False (then every group has M rows).
+    TMA: a_ptr and b_ptr are tensor descriptors instead (see ``_k_loop_tma``); the a / b
+    strides are then unused.
     """
     pid = tl.program_id(0)
     num_n = (N + BN - 1) // BN
@@ -120,10 +123,14 @@ def _rows_kernel(
             row_ok = rm < start + size
             col_ok = rn < N
             g64 = tl.cast(g, tl.int64)
-            a_ptrs = a_ptr + g64 * s_ag + rm[:, None] * s_am + rk0[None, :] * s_ak
-            b_ptrs = b_ptr + g64 * s_bg + rk0[:, None] * s_bk + rn[None, :] * s_bn
-            acc = _k_loop(a_ptrs, b_ptrs, row_ok, col_ok, K, num_k, s_ak, s_bk,
-                          BM, BN, BK, ACC_DTYPE, PRECISION, DOT_UPCAST)
+            if TMA:
+                acc = _k_loop_tma(a_ptr, b_ptr, g, (start + m_tile * BM).to(tl.int32), n_tile * BN, num_k,
+                                  not HAS_OFFS, B_K_CONTIGUOUS, BM, BN, BK, ACC_DTYPE, DOT_UPCAST)
+            else:
+                a_ptrs = a_ptr + g64 * s_ag + rm[:, None] * s_am + rk0[None, :] * s_ak
+                b_ptrs = b_ptr + g64 * s_bg + rk0[:, None] * s_bk + rn[None, :] * s_bn
+                acc = _k_loop(a_ptrs, b_ptrs, row_ok, col_ok, K, num_k, s_ak, s_bk,
+                              BM, BN, BK, ACC_DTYPE, PRECISION, DOT_UPCAST)
             _epilogue(acc, out_ptr, g64 * s_og + rm * s_om, row_ok, n_tile * BN, N, s_on,
                       bias_ptr, g64 * s_biasg, s_biasn, HAS_BIAS, BN, ACC_DTYPE, EPILOGUE_SPLIT)
             tile += NUM_PROGRAMS
@@ -225,6 +232,35 @@ def _k_loop(a_ptrs, b_ptrs, row_ok, col_ok, k_len, k_steps, s_ak, s_bk,
 
 
 @triton.jit
+def _k_loop_tma(a_desc, b_desc, g, row0, col0, k_steps, A_BATCHED: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                DOT_UPCAST: tl.constexpr):
+    """``_k_loop`` with the operand tiles fetched by tensor-memory-accelerator copies (TMA on
+    sm_90+): a_desc over mat_a ([M, K], or [G, M, K] when A_BATCHED), b_desc over mat_b [G, K, N]
+    or, when B_K_CONTIGUOUS, over its [G, N, K] storage. A copy zero-fills what lies past a
+    descriptor's bounds, so the tails in K, N and past M need no masks. Rows of the next group
+    inside a row tile are loaded and multiplied; the epilogue's row mask drops them, as in
+    ``_k_loop``. row0 / col0: the tile's first row (global for 2Dx3D, the batch's for 3Dx3D) and
+    column."""
+    acc = tl.full((BM, BN), 0, ACC_DTYPE)
+    for kt in range(0, k_steps):
+        k0 = kt * BK
+        if A_BATCHED:
+            a = tl.reshape(a_desc.load([g, row0, k0]), (BM, BK))
+        else:
+            a = a_desc.load([row0, k0])
+        if B_K_CONTIGUOUS:
+            b = tl.trans(tl.reshape(b_desc.load([g, col0, k0]), (BN, BK)))
+        else:
+            b = tl.reshape(b_desc.load([g, k0, col0]), (BK, BN))
+        if DOT_UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, out_dtype=ACC_DTYPE)
+    return acc
+
+
+@triton.jit
 def _store_columns(part, out_ptr, row_off, row_ok, cols, N, s_on, bias_ptr, bias_off, s_biasn,
                    HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr):
     """Add bias (fp32/fp64, before the one cast) and store a [rows, len(cols)] block of out."""
@@ -273,6 +309,7 @@ class TileConfig:
     num_stages: int = 3
     programs_per_sm: int = 1
     epilogue_split: bool = False  # store the accumulator as two column halves (see _epilogue)
+    tma: bool = False  # 16-bit 2Dx3D / 3Dx3D operand tiles by TMA copies where the operands allow
 
 
 # Shared memory one program may use, KiB per SM: A100 (sm_80) 163, H100/H200 (sm_90) and
@@ -302,11 +339,13 @@ def tile_config(arch: int, dtype: torch.dtype, rows_per_group: Optional[int] = N
     Memoized on what it depends on (building the TileConfig cost 2 us of every call's host time).
     """
     small_groups = rows_per_group is not None and rows_per_group < 64
-    return _tile_config(arch, dtype, small_groups, fp32_precision() if dtype == torch.float32 else None)
+    return _tile_config(arch, dtype, small_groups, fp32_precision() if dtype == torch.float32 else None,
+                        tma_requested())
 
 
 @functools.lru_cache(maxsize=None)
-def _tile_config(arch: int, dtype: torch.dtype, small_groups: bool, precision: Optional[str]) -> TileConfig:
+def _tile_config(arch: int, dtype: torch.dtype, small_groups: bool, precision: Optional[str],
+                 tma: bool = False) -> TileConfig:
     tensor_cores = dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and precision != "ieee")
     element = torch.finfo(dtype).bits // 8
     if tensor_cores:
@@ -330,7 +369,7 @@ def _tile_config(arch: int, dtype: torch.dtype, small_groups: bool, precision: O
     # gradient) as one program per SM and 0.092 / 0.095 ms as two; torch._grouped_mm 0.105 / 0.111.
     per_sm = 2 if warps == 4 and 2 * stages * per_stage + (32 << 10) <= smem else 1
     return TileConfig(BM, BN, BK, GROUP_M=8, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
-                      epilogue_split=BN >= 256)
+                      epilogue_split=BN >= 256, tma=tma and arch >= 90 and dtype in (torch.bfloat16, torch.float16))
 
 
 # The interpreter costs ~5 ms per tile operation whatever the tile size (numpy on whole blocks),
@@ -338,6 +377,7 @@ def _tile_config(arch: int, dtype: torch.dtype, small_groups: bool, precision: O
 # 9.6 s with 32x64x32 ones. Two programs still exercise the persistent walk.
 INTERPRETER_CONFIG = TileConfig(64, 64, 64, GROUP_M=4, num_warps=4, num_stages=1, epilogue_split=True)
 INTERPRETER_PROGRAMS = 2
+INTERPRETER_CONFIG_TMA = TileConfig(64, 64, 64, GROUP_M=4, num_warps=4, num_stages=1, epilogue_split=True, tma=True)
 
 
 def launch_options(config: TileConfig) -> dict:
@@ -346,6 +386,13 @@ def launch_options(config: TileConfig) -> dict:
     default off, which would change the generated code (mul + add instead of fma) of kernels
     that were verified and measured with it on."""
     return dict(num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True)
+
+
+def tma_requested() -> bool:
+    """Whether MOE_OPS_CUDA_TMA=1 asks for TMA operand copies on sm_90+ (16-bit inputs, 2Dx3D and
+    3Dx3D; read at every call). Off by default until it has been measured on a GPU: it is
+    executed in Triton's interpreter and compiled for sm_90 / sm_100 here, not run on hardware."""
+    return os.environ.get(TMA_ENV, "0") not in ("", "0")
 
 
 def fp32_precision() -> str:
@@ -417,6 +464,28 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _tma_descriptors(a, b, batched: bool, config: TileConfig):
+    """(a_desc, b_desc, b_k_contiguous) for ``_k_loop_tma``, or None where the operands break a
+    rule of TMA copies: a unit innermost stride, a 16-byte aligned base, other strides multiples
+    of 16 bytes, no empty dimension. b: [G, K, N] with contiguous rows, or the transposed view of
+    a [G, N, K] tensor (the input gradient's mat_b), described as that [G, N, K] storage."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if b.stride(2) == 1:
+        b_view, b_block, k_contiguous = b, [1, config.BK, config.BN], False
+    elif b.stride(1) == 1:
+        b_view, b_block, k_contiguous = b.transpose(1, 2), [1, config.BN, config.BK], True
+    else:
+        return None
+    a_block = [1, config.BM, config.BK] if batched else [config.BM, config.BK]
+    for t in (a, b_view):
+        if (t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16
+                or any(stride * t.element_size() % 16 for stride in t.stride()[:-1])):
+            return None
+    describe = lambda t, block: TensorDescriptor(t, list(t.shape), list(t.stride()), block)  # noqa: E731
+    return describe(a, a_block), describe(b_view, b_block), k_contiguous
+
+
 def _acc_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
@@ -458,7 +527,7 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
         return out
     if config is None:
         if interpret:
-            config = INTERPRETER_CONFIG
+            config = INTERPRETER_CONFIG_TMA if tma_requested() else INTERPRETER_CONFIG
         else:
             rows_per_group = (p.M // max(p.G, 1)) if p.layout == LAYOUT_2D3D else None
             config = tile_config(arch, p.dtype, rows_per_group)
@@ -507,10 +576,17 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
     nprog = grid_size(row_tiles * _cdiv(N, config.BN))
     has_bias = bias is not None
     s_bias = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
+    s_b = (b.stride(0), b.stride(1), b.stride(2))
+    tma = None
+    if config.tma and p.dtype in (torch.bfloat16, torch.float16) and p.layout in (LAYOUT_2D3D, LAYOUT_3D3D):
+        tma = _tma_descriptors(a, b, not has_offs, config)
+    if tma is not None:
+        a, b = tma[0], tma[1]
+        common.update(TMA=True, B_K_CONTIGUOUS=tma[2])
     kernels._rows_kernel[(nprog,)](
         a, b, o, bias if has_bias else o, offs if has_offs else o,
         M, N, p.K, p.G,
-        *s_a, b.stride(0), b.stride(1), b.stride(2), *s_o, *s_bias,
+        *s_a, *s_b, *s_o, *s_bias,
         nprog, HAS_OFFS=has_offs, HAS_BIAS=has_bias, **common, **launch,
     )
     return out
