@@ -11,10 +11,12 @@ Triton launcher ``triton_kernels.grouped_mm``; offs is clamped inside the Triton
 ``torch._grouped_mm``; and a forward + backward (``torch.autograd.grad`` for both inputs) of
 the op with each of its Autograd kernels (C++ and Python) and of ``torch._grouped_mm``.
 Also timed: the per-call pieces of the CUDA path around the launcher (the ``torch.cuda.device``
-switch, the output's ``torch.empty``). Every piece's host time is also
-read while a sleep kernel holds the stream (``host_us_while_gpu_busy``: a call that waits for the
-GPU shows milliseconds there). Every piece also gets its device time with the host hidden (``gpu_us``: the calls are queued
-behind a sleep kernel, so the events around them time the GPU alone) and gpu_check.py's
+switch, the output's ``torch.empty``), and the launcher, the op and its forward + backward with
+the opt-in launch cache on (MOE_OPS_CUDA_LAUNCH_CACHE; the other rows follow that variable).
+Every piece's host time is also read while a sleep kernel holds the stream
+(``host_us_while_gpu_busy``: a call that waits for the GPU shows milliseconds there), and every
+piece that runs a kernel gets its device time with the host hidden (``gpu_us``: the calls are
+queued behind a sleep kernel, so the events around them time the GPU alone) and gpu_check.py's
 benchmark timing (``bench_ms``), so a host-bound benchmark row can be told from a slow kernel.
 
 Where a forward + backward spends its host time: the backward's two calls timed directly
@@ -97,6 +99,16 @@ def host_us_while_busy(fn, n: int = 10, sleep_ms: float = 20.0) -> float:
     return host / n * 1e6
 
 
+def _with_launch_cache(tk, fn):
+    """fn() with the opt-in launch cache on (its state restored after)."""
+    before = tk._launch_cache_on
+    tk.use_launch_cache(True)
+    try:
+        return fn()
+    finally:
+        tk.use_launch_cache(before)
+
+
 def _enter_and_exit(context) -> None:
     with context:
         pass
@@ -177,6 +189,10 @@ def main(argv=None) -> int:
             "select": lambda: cuda.select(cap, toolchains, p.dtype, p.layout),
             "triton_kernels.grouped_mm": lambda: tk.grouped_mm(p, a, b, offs, None, arch=arch),
             "torch._grouped_mm": lambda: torch._grouped_mm(a, b, offs=offs),
+            "triton_kernels.grouped_mm (launch cache on)": lambda: _with_launch_cache(
+                tk, lambda: tk.grouped_mm(p, a, b, offs, None, arch=arch)),
+            "moe_ops.grouped_mm (launch cache on)": lambda: _with_launch_cache(
+                tk, lambda: moe_ops.grouped_mm(a, b, offs)),
         }
         a_g, b_g = a.detach().requires_grad_(), b.detach().requires_grad_()
         ones = torch.ones(M, N, device="cuda", dtype=torch.bfloat16)
@@ -210,6 +226,8 @@ def main(argv=None) -> int:
                     workload()
                 torch.cuda.synchronize()
             rows[f"fwd+bwd moe_ops ({kind} autograd)"]["inside"] = inside.per_call(50)
+            rows[f"fwd+bwd moe_ops ({kind} autograd, launch cache on)"] = per_call_us(
+                lambda: _with_launch_cache(tk, workload), 50)
         _op.use_autograd(before)
         rows["fwd+bwd torch._grouped_mm"] = per_call_us(fwd_bwd(torch._grouped_mm, offs=offs), 50)
         # Baselines for the engine: one dense product of the same rows, with C++ and Python nodes.

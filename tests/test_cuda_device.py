@@ -4,7 +4,8 @@ Categories:
 * no host sync: the op, forward and backward, under torch.cuda.set_sync_debug_mode("error");
 * CUDA-graph capture: a captured call follows new offs values written into the same tensor,
   invalid ones included (clamped inside the kernel, one launch per call);
-* the kernel that served: "cuda:triton" on sm_80+ (kernel_counts);
+* the kernel that served: "cuda:triton" on sm_80+ (kernel_counts); the opt-in launch cache
+  reuses a compiled kernel for its own specialization only;
 * autograd on the device against the CPU reference; autocast casts on the device; repeated
   calls give bitwise identical results;
 * vmap (the batching rule): per-sample weights and routing in one call, no host sync, invalid
@@ -129,6 +130,37 @@ def test_one_kernel_launch_per_call():
     if not kernels:
         pytest.skip("the profiler recorded no CUDA activity (CUPTI unavailable?)")
     assert len(kernels) == 1, kernels
+
+
+@pytest.mark.skipif(_older_than_sm80(), reason="the Triton kernels need sm_80 or newer")
+def test_launch_cache_reuses_a_kernel_only_for_its_specialization():
+    """With the opt-in launch cache on, a call whose arguments Triton would specialize as an
+    earlier call's launches the cached compiled kernel (the cache does not grow; the result is
+    bit for bit Triton's own launch); mat_a one element off 16-byte alignment is another
+    specialization with its own entry."""
+    from moe_ops.backends.cuda import triton_kernels as tk
+
+    a, b, bias, offs = (t.cuda() for t in _problem())
+    before = tk._launch_cache_on
+    tk.use_launch_cache(True)
+    try:
+        moe_ops.reset_kernel_counts()
+        tk._compiled.clear()
+        first = moe_ops.grouped_mm(a, b, offs, bias)  # through Triton's launch, then cached
+        if moe_ops.kernel_counts() != {"cuda:triton": 1}:
+            pytest.skip(f"served by {moe_ops.kernel_counts()}")
+        assert len(tk._compiled) == 1
+        again = moe_ops.grouped_mm(a, b, offs, bias)  # from the cache
+        assert len(tk._compiled) == 1
+        assert torch.equal(again, first)
+        shifted = torch.empty(a.numel() + 1, dtype=a.dtype, device="cuda")[1:].view_as(a).copy_(a)
+        out = moe_ops.grouped_mm(shifted, b, offs, bias)
+        assert len(tk._compiled) == 2
+        assert torch.equal(moe_ops.grouped_mm(shifted, b, offs, bias), out)
+        assert len(tk._compiled) == 2
+    finally:
+        tk.use_launch_cache(before)
+    _close(out, reference.grouped_mm(*(t.cpu() for t in (a, b, offs, bias))), 1e-2)
 
 
 @pytest.mark.skipif(_older_than_sm80(), reason="the Triton kernels need sm_80 or newer")
