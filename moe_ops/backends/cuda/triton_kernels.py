@@ -25,6 +25,11 @@ last group, a tail of tiles writes the zeros of the rows past offs[-1], so the r
 allocated with ``torch.empty`` (no memset of M x N). Within a group, tiles are ordered in bands
 of GROUP_M row tiles so that programs running at the same time share columns of b[g] in L2.
 
+Two opt-ins, off until they have run on a GPU: TMA operand copies for the 16-bit 2Dx3D / 3Dx3D
+kernel on sm_90+ (``MOE_OPS_CUDA_TMA=1``, ``_k_loop_tma``), and a launch cache that calls a
+compiled kernel's launcher directly when a launch's specialization repeats
+(``MOE_OPS_CUDA_LAUNCH_CACHE=1``, ``_launch``).
+
 Precision: bf16/fp16 go to tensor cores (mma.sync on sm_80, wgmma on sm_90, tcgen05 on sm_100)
 with fp32 accumulation; fp64 accumulates in fp64. fp32 inputs use ``input_precision="ieee"``
 (full fp32 accuracy) unless MOE_OPS_CUDA_FP32_PRECISION=tf32 (or tf32x3) opts in.
