@@ -126,11 +126,18 @@ class Report:
         tmp.replace(self.path)
 
 
+def moe_ops_env() -> dict:
+    """The MOE_OPS_* variables in force (the opt-ins MOE_OPS_CUDA_TMA, MOE_OPS_CUDA_LAUNCH_CACHE,
+    ...), recorded with every GPU result so that A/B runs can be told apart."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOE_OPS_")}
+
+
 def environment() -> dict:
     import torch
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-           "cuda_available": torch.cuda.is_available()}
+           "cuda_available": torch.cuda.is_available(),
+           "moe_ops_env": moe_ops_env()}
     try:
         import triton
 

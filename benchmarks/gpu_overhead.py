@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_check import _time_ms, group_sizes  # noqa: E402
+from gpu_check import _time_ms, group_sizes, moe_ops_env  # noqa: E402
 
 
 def per_call_us(fn, n: int = 200) -> dict:
@@ -175,7 +175,8 @@ def main(argv=None) -> int:
     cap = torch.cuda.get_device_capability()
     arch = 10 * cap[0] + cap[1]
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "problems": {}}
+           "triton": __import__("triton").__version__, "problems": {},
+           "moe_ops_env": moe_ops_env()}
     for name, (G, M, K, N) in {"tiny": (4, 128, 64, 64), "qwen3-30b-a3b@4096": (128, 4096, 2048, 768)}.items():
         offs = torch.tensor(group_sizes(M, G), device="cuda").cumsum(0).to(torch.int32)
         a = torch.randn(M, K, device="cuda").to(torch.bfloat16)

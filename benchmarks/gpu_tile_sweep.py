@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_check import MODELS, _time_ms, group_sizes  # noqa: E402
+from gpu_check import MODELS, _time_ms, group_sizes, moe_ops_env  # noqa: E402
 from moe_ops import _contract  # noqa: E402
 
 # (BM, BN, BK, num_warps, num_stages, programs_per_sm): around the heuristic's sm_90 choices
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
     path = Path(args.out) / "tile_sweep.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"gpu": torch.cuda.get_device_name(), "arch": arch, "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "results": [], "not_run": []}
+           "triton": __import__("triton").__version__, "results": [], "not_run": [],
+           "moe_ops_env": moe_ops_env()}
     for spec in args.shapes.split(","):
         model, M = spec.split(":")
         for direction, a, b, offs in problems(model, int(M)):
