@@ -30,13 +30,17 @@ transposed and the 2Dx2D weight gradient) of
   * a loop of torch.mm over the groups (host-side group bounds computed once, outside timing:
     the loop's best case; a real loop syncs to read offs),
   * dense torch.mm with the same FLOPs ([M, K] @ [K, N]), the throughput ceiling.
-Group sizes are a Dirichlet(1) split of M in multiples of 16 rows (seeded). Each result is
+With ``--variants tma,launch-cache,tma+launch-cache`` the op is also timed with the CUDA
+backend's opt-ins (TMA operand copies, the launch cache; VARIANTS), each as one more
+implementation "moe_ops (name)" on the same tensors, with its speedup over the default in
+"variant_speedup". Group sizes are a Dirichlet(1) split of M in multiples of 16 rows (seeded). Each result is
 checked against the loop before it is timed. Times are medians of CUDA-event timings.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -48,6 +52,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,6 +66,14 @@ MODELS = {
 # short by its time budget still has every model.
 TOKENS = (16384, 65536, 4096)
 ALIGN = 16
+# The CUDA backend's opt-ins (off by default until measured) that --variants times next to the
+# default op, in the same process on the same tensors: the environment each sets, and whether
+# the launch cache is on.
+VARIANTS = {
+    "tma": ({"MOE_OPS_CUDA_TMA": "1"}, False),
+    "launch-cache": ({}, True),
+    "tma+launch-cache": ({"MOE_OPS_CUDA_TMA": "1"}, True),
+}
 # Issue #3's goals when measured on Hopper or Blackwell.
 LARGE_EXPERT_MODELS = ("mixtral-8x7b", "deepseek-v3")
 
@@ -74,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--examples", type=int, default=20, help="hypothesis examples per property test")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated routed-row counts M")
+    p.add_argument("--variants", default="", help="comma-separated opt-ins to time next to moe_ops: "
+                   + ", ".join(VARIANTS) + " (the suite runs with the environment as given)")
     p.add_argument("--no-suite", action="store_true", help="skip the test suite")
     p.add_argument("--no-bench", action="store_true", help="skip the benchmarks")
     p.add_argument("--list", action="store_true", help="print the benchmark cases and exit")
@@ -83,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown model(s) {unknown}; known: {list(MODELS)}")
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    args.variants = [v for v in args.variants.split(",") if v]
+    if any(v not in VARIANTS for v in args.variants):
+        p.error(f"--variants: known ones are {', '.join(VARIANTS)}")
     if any(t < ALIGN or t % ALIGN for t in args.tokens):
         p.error(f"--tokens must be positive multiples of {ALIGN}")
     return args
@@ -242,13 +260,42 @@ def _time_ms(fn, device, budget_s: float = 0.4, max_reps: int = 25) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def variant(name: Optional[str]):
+    """The opt-ins of VARIANTS[name] in force inside the block (None: the defaults as given),
+    the environment and the launch cache restored after."""
+    if name is None:
+        yield
+        return
+    env, launch_cache = VARIANTS[name]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    tk = None
+    if launch_cache:
+        from moe_ops.backends.cuda import triton_kernels as tk
+
+        before = tk._launch_cache_on
+        tk.use_launch_cache(True)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if tk is not None:
+            tk.use_launch_cache(before)
+
+
 def _rel_err(x, ref) -> float:
     x, ref = x.detach().float(), ref.detach().float()
     return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
-def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float = 0.4) -> dict:
-    """Check and time one case (see the module docstring); every failure is recorded, not raised."""
+def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float = 0.4, variants=()) -> dict:
+    """Check and time one case (see the module docstring); every failure is recorded, not raised.
+    variants: names of VARIANTS, each timed as one more implementation "moe_ops (name)"."""
     import torch
 
     import moe_ops
@@ -287,6 +334,8 @@ def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float 
         "loop_torch.mm": (loop, a, b),
         "dense_torch.mm": (lambda x, y: x @ y, a, w),
     }
+    for v in variants:
+        forward[f"moe_ops ({v})"] = forward["moe_ops"]
     # Correctness first, against the loop (bf16 matmuls with fp32 accumulation).
     ref_leaves = [a.clone().requires_grad_(True), b.clone().requires_grad_(True)]
     ref_out = loop(*ref_leaves)
@@ -294,22 +343,11 @@ def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float 
     moe_ops.reset_kernel_counts()
     for name, (f, x, y) in forward.items():
         entry = result["impls"][name] = {}
+        ours_variant = name[len("moe_ops ("):-1] if name.startswith("moe_ops (") else None
         try:
-            if name in ("moe_ops", "torch._grouped_mm"):
-                leaves = [x.clone().requires_grad_(True), y.clone().requires_grad_(True)]
-                out = f(*leaves)
-                grads = torch.autograd.grad(out, leaves, dy)
-                entry["rel_err"] = {"out": _rel_err(out, ref_out), "d_mat_a": _rel_err(grads[0], ref_grads[0]),
-                                    "d_mat_b": _rel_err(grads[1], ref_grads[1])}
-                entry["correct"] = all(v < 2e-2 for v in entry["rel_err"].values())
-                del out, grads, leaves
-            entry["forward_ms"] = _time_ms(lambda: f(x, y), dev, budget_s)
-            params = [x.clone().requires_grad_(True), y.clone().requires_grad_(True)]
-            entry["forward_backward_ms"] = _time_ms(lambda: torch.autograd.grad(f(*params), params, dy), dev, budget_s)
-            entry["backward_ms"] = entry["forward_backward_ms"] - entry["forward_ms"]
-            entry["forward_tflops"] = flops(case, "forward") / entry["forward_ms"] * 1e-9
-            entry["backward_tflops"] = 2 * flops(case, "forward") / max(entry["backward_ms"], 1e-6) * 1e-9
-            params = None  # frees the parameter copies before the next implementation
+            with variant(ours_variant):
+                _check_and_time(entry, f, x, y, name not in ("loop_torch.mm", "dense_torch.mm"),
+                                ref_out, ref_grads, dy, case, dev, budget_s)
         except Exception as e:  # one baseline failing (e.g. _grouped_mm on an older GPU) is data
             entry["error"] = f"{type(e).__name__}: {e}"[:500]
         if dev.type == "cuda":
@@ -322,7 +360,33 @@ def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float 
         for phase in ("forward_ms", "backward_ms"):
             if phase in ours and phase in other:
                 result.setdefault("speedup_vs", {}).setdefault(name, {})[phase[:-3]] = other[phase] / ours[phase]
+    for v in variants:
+        other = result["impls"][f"moe_ops ({v})"]
+        for phase in ("forward_ms", "backward_ms"):
+            if phase in ours and phase in other:
+                result.setdefault("variant_speedup", {}).setdefault(v, {})[phase[:-3]] = ours[phase] / other[phase]
     return result
+
+
+def _check_and_time(entry, f, x, y, check, ref_out, ref_grads, dy, case, dev, budget_s) -> None:
+    """One implementation of bench_case into entry: checked against the loop (check), then its
+    forward and forward + backward timed."""
+    import torch
+
+    if check:
+        leaves = [x.clone().requires_grad_(True), y.clone().requires_grad_(True)]
+        out = f(*leaves)
+        grads = torch.autograd.grad(out, leaves, dy)
+        entry["rel_err"] = {"out": _rel_err(out, ref_out), "d_mat_a": _rel_err(grads[0], ref_grads[0]),
+                            "d_mat_b": _rel_err(grads[1], ref_grads[1])}
+        entry["correct"] = all(v < 2e-2 for v in entry["rel_err"].values())
+        del out, grads, leaves
+    entry["forward_ms"] = _time_ms(lambda: f(x, y), dev, budget_s)
+    params = [x.clone().requires_grad_(True), y.clone().requires_grad_(True)]
+    entry["forward_backward_ms"] = _time_ms(lambda: torch.autograd.grad(f(*params), params, dy), dev, budget_s)
+    entry["backward_ms"] = entry["forward_backward_ms"] - entry["forward_ms"]
+    entry["forward_tflops"] = flops(case, "forward") / entry["forward_ms"] * 1e-9
+    entry["backward_tflops"] = 2 * flops(case, "forward") / max(entry["backward_ms"], 1e-6) * 1e-9
 
 
 def goals(results: list) -> dict:
@@ -381,7 +445,7 @@ def main(argv=None) -> int:
                 continue
             print(f"gpu_check: bench {case}", flush=True)
             try:
-                results.append(bench_case(case))
+                results.append(bench_case(case, variants=args.variants))
             except Exception:
                 results.append(dict(case, error=traceback.format_exc()[-2000:]))
             torch.cuda.empty_cache()

@@ -109,6 +109,26 @@ def test_benchmark_code_path_runs_on_cpu_tensors(gpu_check):
     json.dumps(result)
 
 
+def test_variants_are_timed_beside_the_default_and_restored(gpu_check, monkeypatch):
+    """--variants: each opt-in is one more implementation, checked and timed in the same run, and
+    the environment and launch cache are as before afterwards."""
+    tk = pytest.importorskip("moe_ops.backends.cuda.triton_kernels", reason="triton is not installed")
+    monkeypatch.delenv("MOE_OPS_CUDA_TMA", raising=False)
+    cache_before = tk._launch_cache_on
+    result = gpu_check.bench_case(dict(model="tiny", G=4, K=32, N=48, M=64), device="cpu", budget_s=0.01,
+                                  variants=list(gpu_check.VARIANTS))
+    for v in gpu_check.VARIANTS:
+        entry = result["impls"][f"moe_ops ({v})"]
+        assert "error" not in entry and entry["correct"], entry
+        assert set(result["variant_speedup"][v]) == {"forward", "backward"}
+    assert "MOE_OPS_CUDA_TMA" not in os.environ and tk._launch_cache_on == cache_before
+    with gpu_check.variant("tma+launch-cache"):
+        assert os.environ["MOE_OPS_CUDA_TMA"] == "1" and tk._launch_cache_on
+    assert "MOE_OPS_CUDA_TMA" not in os.environ and tk._launch_cache_on == cache_before
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--variants", "no-such-opt-in"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
 @pytest.mark.parametrize("script", ["gpu_overhead.py", "gpu_tile_sweep.py"])
 def test_the_other_gpu_scripts_refuse_without_a_gpu(script, tmp_path):
