@@ -334,8 +334,9 @@ def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float 
         "loop_torch.mm": (loop, a, b),
         "dense_torch.mm": (lambda x, y: x @ y, a, w),
     }
-    for v in variants:
-        forward[f"moe_ops ({v})"] = forward["moe_ops"]
+    variant_of = {f"moe_ops ({v})": v for v in variants}
+    for name in variant_of:
+        forward[name] = forward["moe_ops"]
     # Correctness first, against the loop (bf16 matmuls with fp32 accumulation).
     ref_leaves = [a.clone().requires_grad_(True), b.clone().requires_grad_(True)]
     ref_out = loop(*ref_leaves)
@@ -343,9 +344,8 @@ def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float 
     moe_ops.reset_kernel_counts()
     for name, (f, x, y) in forward.items():
         entry = result["impls"][name] = {}
-        ours_variant = name[len("moe_ops ("):-1] if name.startswith("moe_ops (") else None
         try:
-            with variant(ours_variant):
+            with variant(variant_of.get(name)):
                 _check_and_time(entry, f, x, y, name not in ("loop_torch.mm", "dense_torch.mm"),
                                 ref_out, ref_grads, dy, case, dev, budget_s)
         except Exception as e:  # one baseline failing (e.g. _grouped_mm on an older GPU) is data

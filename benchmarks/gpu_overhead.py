@@ -12,7 +12,8 @@ Triton launcher ``triton_kernels.grouped_mm``; offs is clamped inside the Triton
 the op with each of its Autograd kernels (C++ and Python) and of ``torch._grouped_mm``.
 Also timed: the per-call pieces of the CUDA path around the launcher (the ``torch.cuda.device``
 switch, the output's ``torch.empty``), and the launcher, the op and its forward + backward with
-the opt-in launch cache on (MOE_OPS_CUDA_LAUNCH_CACHE; the other rows follow that variable).
+the opt-in launch cache on (gpu_check's variant "launch-cache"; the other rows follow
+MOE_OPS_CUDA_LAUNCH_CACHE).
 Every piece's host time is also read while a sleep kernel holds the stream
 (``host_us_while_gpu_busy``: a call that waits for the GPU shows milliseconds there), and every
 piece that runs a kernel gets its device time with the host hidden (``gpu_us``: the calls are
@@ -50,7 +51,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_check import _time_ms, group_sizes, moe_ops_env  # noqa: E402
+from gpu_check import _time_ms, group_sizes, moe_ops_env, variant  # noqa: E402
 
 
 def per_call_us(fn, n: int = 200) -> dict:
@@ -97,16 +98,6 @@ def host_us_while_busy(fn, n: int = 10, sleep_ms: float = 20.0) -> float:
     host = time.perf_counter() - t0
     torch.cuda.synchronize()
     return host / n * 1e6
-
-
-def _with_launch_cache(tk, fn):
-    """fn() with the opt-in launch cache on (its state restored after)."""
-    before = tk._launch_cache_on
-    tk.use_launch_cache(True)
-    try:
-        return fn()
-    finally:
-        tk.use_launch_cache(before)
 
 
 def _enter_and_exit(context) -> None:
@@ -190,10 +181,6 @@ def main(argv=None) -> int:
             "select": lambda: cuda.select(cap, toolchains, p.dtype, p.layout),
             "triton_kernels.grouped_mm": lambda: tk.grouped_mm(p, a, b, offs, None, arch=arch),
             "torch._grouped_mm": lambda: torch._grouped_mm(a, b, offs=offs),
-            "triton_kernels.grouped_mm (launch cache on)": lambda: _with_launch_cache(
-                tk, lambda: tk.grouped_mm(p, a, b, offs, None, arch=arch)),
-            "moe_ops.grouped_mm (launch cache on)": lambda: _with_launch_cache(
-                tk, lambda: moe_ops.grouped_mm(a, b, offs)),
         }
         a_g, b_g = a.detach().requires_grad_(), b.detach().requires_grad_()
         ones = torch.ones(M, N, device="cuda", dtype=torch.bfloat16)
@@ -204,11 +191,18 @@ def main(argv=None) -> int:
         pieces["torch.empty of the output"] = lambda: torch.empty(M, N, device=a.device, dtype=a.dtype)
         host_only = ("check_args", "select", "torch.cuda.device(...) enter and exit", "torch.empty of the output")
         rows = doc["problems"][name] = {}
-        for k, fn in pieces.items():
+
+        def measure(k, fn):
             rows[k] = per_call_us(fn)
             rows[k]["host_us_while_gpu_busy"] = host_us_while_busy(fn)
             if k not in host_only:
                 rows[k].update(gpu_us(fn), bench_ms=_time_ms(fn, torch.device("cuda"), budget_s=0.2))
+
+        for k, fn in pieces.items():
+            measure(k, fn)
+        with variant("launch-cache"):
+            for k in ("triton_kernels.grouped_mm", "moe_ops.grouped_mm"):
+                measure(f"{k} (launch cache on)", pieces[k])
 
         def fwd_bwd(fn, x=a_g, y=b_g, **kw):
             return lambda: torch.autograd.grad(fn(x, y, **kw), (x, y), ones)
@@ -227,8 +221,8 @@ def main(argv=None) -> int:
                     workload()
                 torch.cuda.synchronize()
             rows[f"fwd+bwd moe_ops ({kind} autograd)"]["inside"] = inside.per_call(50)
-            rows[f"fwd+bwd moe_ops ({kind} autograd, launch cache on)"] = per_call_us(
-                lambda: _with_launch_cache(tk, workload), 50)
+            with variant("launch-cache"):
+                rows[f"fwd+bwd moe_ops ({kind} autograd, launch cache on)"] = per_call_us(workload, 50)
         _op.use_autograd(before)
         rows["fwd+bwd torch._grouped_mm"] = per_call_us(fwd_bwd(torch._grouped_mm, offs=offs), 50)
         # Baselines for the engine: one dense product of the same rows, with C++ and Python nodes.

@@ -100,7 +100,7 @@ def test_descriptors_take_tritons_path():
     assert tk.specialization_key((TensorDescriptor(a, [32, 32], [32, 1], [16, 16]), a, 16)) is None
 
 
-def test_launch_hooks_are_seen(monkeypatch):
+def test_launch_hooks_are_seen():
     import triton
 
     knobs = triton.knobs

@@ -49,11 +49,11 @@ when triton was imported and cannot be called from the interpreted copy.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -301,7 +301,7 @@ def _epilogue(acc, out_ptr, row_off, row_ok, col0, N, s_on, bias_ptr, bias_off, 
 # Tile configurations
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TileConfig:
     """One kernel configuration: tile sizes, L2 band height, warps, pipeline stages, and how many
     persistent programs share an SM."""
@@ -382,7 +382,7 @@ def _tile_config(arch: int, dtype: torch.dtype, small_groups: bool, precision: O
 # 9.6 s with 32x64x32 ones. Two programs still exercise the persistent walk.
 INTERPRETER_CONFIG = TileConfig(64, 64, 64, GROUP_M=4, num_warps=4, num_stages=1, epilogue_split=True)
 INTERPRETER_PROGRAMS = 2
-INTERPRETER_CONFIG_TMA = TileConfig(64, 64, 64, GROUP_M=4, num_warps=4, num_stages=1, epilogue_split=True, tma=True)
+INTERPRETER_CONFIG_TMA = dataclasses.replace(INTERPRETER_CONFIG, tma=True)
 
 
 def launch_options(config: TileConfig) -> dict:
@@ -522,13 +522,13 @@ def _launch(kernel, grid: int, args: tuple, meta: dict) -> None:
         kernel[(grid,)](*args, **meta)
         return
     device = torch.cuda.current_device()
-    key = (kernel, device, tuple(meta.items()), key)
-    compiled = _compiled.get(key)
+    cache_key = (kernel, device, tuple(meta.items()), key)
+    compiled = _compiled.get(cache_key)
     if compiled is None:
         compiled = kernel[(grid,)](*args, **meta)
         # Cached only as a finished kernel (not a future of an asynchronous compile).
         if hasattr(compiled, "packed_metadata") and not hasattr(compiled, "result"):
-            _compiled[key] = compiled
+            _compiled[cache_key] = compiled
         return
     compiled.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
                  None, None, None, *launch_arguments(kernel, args, meta))
@@ -561,8 +561,7 @@ def _tma_descriptors(a, b, batched: bool, config: TileConfig):
         if (t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16
                 or any(stride * t.element_size() % 16 for stride in t.stride()[:-1])):
             return None
-    describe = lambda t, block: TensorDescriptor(t, list(t.shape), list(t.stride()), block)  # noqa: E731
-    return describe(a, a_block), describe(b_view, b_block), k_contiguous
+    return TensorDescriptor.from_tensor(a, a_block), TensorDescriptor.from_tensor(b_view, b_block), k_contiguous
 
 
 def _acc_dtype(dtype: torch.dtype):
