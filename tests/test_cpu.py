@@ -51,13 +51,17 @@ ISA = {"generic": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def has_level(name) -> bool:
+    """Whether this machine has instruction-set level ``name`` (one of ISA)."""
+    return ISA[name] <= ISA[torch.ops.moe_cpu.machine()]
+
+
 def machine_levels():
     if cpu_backend.status().mode is None:
         return list(ISA)  # the module is skipped; without the extension there is no machine() to ask
-    best = ISA[torch.ops.moe_cpu.machine()]
-    return [pytest.param(name, marks=[] if level <= best else
+    return [pytest.param(name, marks=[] if has_level(name) else
                          pytest.mark.skip(reason=f"this CPU has no {name} (best: {torch.ops.moe_cpu.machine()})"))
-            for name, level in ISA.items()]
+            for name in ISA]
 
 
 def served(dtype) -> str:
@@ -252,8 +256,7 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     bias = torch.randn(G, N, generator=gen).to(dtype)
     # bf16 reaches these paths only below AMX: with plain AVX-512 (fp32 FMA) and with AVX512-BF16
     # (the larger groups on VDPBF16PS), where the machine has it.
-    isas = ["amx"] if dtype != torch.bfloat16 else [
-        i for i in ("avx512", "avx512_bf16") if ISA[i] <= ISA[torch.ops.moe_cpu.machine()]]
+    isas = ["amx"] if dtype != torch.bfloat16 else [i for i in ("avx512", "avx512_bf16") if has_level(i)]
     for isa in isas:
         outs = []
         for threads in (1, 2, 3):
@@ -662,7 +665,7 @@ def test_element_offsets_past_2_to_the_31(tmp_path, dtype):
     offs = torch.tensor([11, 30], dtype=torch.int32)
     weights = {"[G,K,N]": lambda: base.as_strided((2, 16, 24), ((1 << 31) + 17, 24, 1)),
                "[G,N,K]": lambda: base.as_strided((2, 24, 16), ((1 << 31) + 17, 16, 1)).transpose(1, 2)}
-    levels = [isa for isa in ISA if ISA[isa] <= ISA[torch.ops.moe_cpu.machine()]]
+    levels = [isa for isa in ISA if has_level(isa)]
     for name, view in weights.items():
         b = view()  # both views share the file's pages: one at a time
         b.copy_(torch.randn(2, 16, 24, generator=gen).to(dtype))
