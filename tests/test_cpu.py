@@ -48,20 +48,24 @@ pytestmark = pytest.mark.skipif(cpu_backend.status().mode is None,
                                 reason=f"backend cpu cannot run here: {cpu_backend.status().detail}")
 
 ISA = {"generic": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
+# The kernel levels the tests run: every instruction set, and both bf16 schemes of AVX512-BF16
+# (the op's bf16_scheme: 0 direct, 1 swapped; the machine picks one, tests force each).
+LEVELS = {"generic": ("generic", -1), "avx512": ("avx512", -1), "avx512_bf16": ("avx512_bf16", 0),
+          "avx512_bf16_swapped": ("avx512_bf16", 1), "amx": ("amx", -1)}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def has_level(name) -> bool:
-    """Whether this machine has instruction-set level ``name`` (one of ISA)."""
-    return ISA[name] <= ISA[torch.ops.moe_cpu.machine()]
+    """Whether this machine has the instruction set of kernel level ``name`` (one of LEVELS)."""
+    return ISA[LEVELS[name][0]] <= ISA[torch.ops.moe_cpu.machine()]
 
 
-def machine_levels():
+def machine_levels(names=tuple(LEVELS)):
     if cpu_backend.status().mode is None:
-        return list(ISA)  # the module is skipped; without the extension there is no machine() to ask
+        return list(names)  # the module is skipped; without the extension there is no machine() to ask
     return [pytest.param(name, marks=[] if has_level(name) else
-                         pytest.mark.skip(reason=f"this CPU has no {name} (best: {torch.ops.moe_cpu.machine()})"))
-            for name in ISA]
+                         pytest.mark.skip(reason=f"this CPU has no {LEVELS[name][0]} (best: {torch.ops.moe_cpu.machine()})"))
+            for name in names]
 
 
 def served(dtype) -> str:
@@ -70,9 +74,11 @@ def served(dtype) -> str:
     return "cpu:" + ("aten" if isa == "generic" else isa)
 
 
-def run(case_or_args, isa="amx"):
+def run(case_or_args, level="amx"):
     a, b, offs, bias, out_dtype = case_or_args
-    return torch.ops.moe_cpu.grouped_mm(_contract.layout_of(a, b), a, b, offs, bias, out_dtype or a.dtype, ISA[isa])
+    isa, bf16_scheme = LEVELS[level]
+    return torch.ops.moe_cpu.grouped_mm(_contract.layout_of(a, b), a, b, offs, bias, out_dtype or a.dtype, ISA[isa],
+                                        bf16_scheme)
 
 
 def check(out, a, b, offs, bias, out_dtype, what=""):
@@ -230,6 +236,29 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
         assert torch.equal(o, outs[0])  # no split-K: each output element has one summation order
 
 
+@pytest.mark.parametrize("K", [1, 31, 256, 257, 515])
+@pytest.mark.parametrize("level", machine_levels(("avx512_bf16", "avx512_bf16_swapped")))
+def test_bf16_schemes_on_row_and_column_edges(level, K):
+    """Both AVX512-BF16 schemes on k-contiguous weights ([G, N, K] transposed): groups of 5-49
+    rows (the swapped scheme's blocks of 8, 16 and 24 rows, and their remainders), 1-45 columns
+    (blocks of 8, 16 and 32 columns, partial ones), K odd (its last pair read as one bf16), even,
+    and over one 256-pair block, with a bias and both output dtypes. Every row of W is followed
+    by a NaN in memory (row stride K + 1): a read past a row would put NaN into the output."""
+    gen = torch.Generator().manual_seed(K)
+    sizes = [5, 7, 8, 9, 16, 17, 24, 25, 31, 33, 40, 49]
+    G, M = len(sizes), sum(sizes)
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    a = torch.randn(M, K, generator=gen).bfloat16()
+    for N in (1, 7, 9, 16, 33, 45):
+        padded = torch.full((G, N, K + 1), float("nan"), dtype=torch.bfloat16)
+        padded[:, :, :K] = torch.randn(G, N, K, generator=gen).bfloat16()
+        b = padded[:, :, :K].transpose(1, 2)  # [G, K, N], k-contiguous, rows K + 1 apart
+        bias = torch.randn(G, N, generator=gen).bfloat16()
+        for out_dtype in (None, torch.float32):
+            out = run((a, b, offs, bias, out_dtype), level)
+            check(out, a, b, offs, bias, out_dtype, what=f"{level} K={K} N={N} out {out_dtype}")
+
+
 @pytest.mark.parametrize("weights", ["[G,N,K]", "[G,K,N]"])
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, None), (torch.float16, None),
                                              (torch.float16, torch.float32), (torch.bfloat16, None)], ids=str)
@@ -256,7 +285,8 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     bias = torch.randn(G, N, generator=gen).to(dtype)
     # bf16 reaches these paths only below AMX: with plain AVX-512 (fp32 FMA) and with AVX512-BF16
     # (the larger groups on VDPBF16PS), where the machine has it.
-    isas = ["amx"] if dtype != torch.bfloat16 else [i for i in ("avx512", "avx512_bf16") if has_level(i)]
+    isas = ["amx"] if dtype != torch.bfloat16 else [i for i in ("avx512", "avx512_bf16", "avx512_bf16_swapped")
+                                                      if has_level(i)]
     for isa in isas:
         outs = []
         for threads in (1, 2, 3):
@@ -665,7 +695,7 @@ def test_element_offsets_past_2_to_the_31(tmp_path, dtype):
     offs = torch.tensor([11, 30], dtype=torch.int32)
     weights = {"[G,K,N]": lambda: base.as_strided((2, 16, 24), ((1 << 31) + 17, 24, 1)),
                "[G,N,K]": lambda: base.as_strided((2, 24, 16), ((1 << 31) + 17, 16, 1)).transpose(1, 2)}
-    levels = [isa for isa in ISA if has_level(isa)]
+    levels = [level for level in LEVELS if has_level(level)]
     for name, view in weights.items():
         b = view()  # both views share the file's pages: one at a time
         b.copy_(torch.randn(2, 16, 24, generator=gen).to(dtype))

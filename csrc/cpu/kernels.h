@@ -31,6 +31,9 @@ struct Task {
   int64_t bias_sn;
   int64_t m, n, k;
   bool stream;  // write C with non-temporal stores where whole aligned lines allow
+  // bf16 on Isa::avx512bf16 with k-contiguous A and B: the rows of A in 256-bit vector lanes
+  // (kernels_x86.cpp, "VB, swapped") instead of the columns of C in 512-bit ones.
+  bool bf16_swapped;
 };
 
 // The rows [m0, m1) and columns [n0, n1) of one task's C: the unit of work a thread takes.
