@@ -83,6 +83,10 @@ inline void check_lanes(const void*, uint64_t, int, bool) {}
 #endif
 inline __m512 masked_load_ps(__mmask16 m, const float* p) { check_lanes(p, m, 4, false); return _mm512_maskz_loadu_ps(m, p); }
 inline __m512d masked_load_pd(__mmask8 m, const double* p) { check_lanes(p, m, 8, false); return _mm512_maskz_loadu_pd(m, p); }
+inline __m128i masked_load_epi16x8(__mmask8 m, const uint16_t* p) {
+  check_lanes(p, m, 2, false);
+  return _mm_maskz_loadu_epi16(m, p);
+}
 inline __m256i masked_load_epi16x16(__mmask16 m, const uint16_t* p) {
   check_lanes(p, m, 2, false);
   return _mm256_maskz_loadu_epi16(m, p);
@@ -1468,13 +1472,18 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 // VB, swapped: C^T = W @ A^T for k-contiguous weights (mat_b = W.transpose(1, 2), W [G, N, K])
 // and k-contiguous A, with 256-bit vectors along the rows of A. The direct scheme above puts
 // the columns of C in the vector lanes, so every group's weights are transpose-packed (16 x 16
-// word transposes) before use; here the weights are the broadcast operand, read in place (a
-// pair of consecutive k of one row of W is one 32-bit word), and only the group's rows of A are
-// transpose-packed, once per item. The price is the rows of a group rounded up to a vector:
-// 256-bit vectors (8 rows) keep that to 3.5 rows per group on average, and on CPUs that split
-// 512-bit operations into two 256-bit halves (AMD Zen 4) VDPBF16PS on ymm runs at twice the rate
-// of zmm, the same multiply-adds per cycle (measured here: 3.62 G zmm / 7.24 G ymm instructions
-// per second, 231 GFLOP/s both).
+// word transposes) before use; here the weights are the broadcast operand, read in place, and
+// only the group's rows of A are packed, once per item. A vector holds 4 rows x 2 pairs of k
+// (lane 2i: row i, pair 2q; lane 2i + 1: row i, pair 2q + 1), so that a broadcast 64-bit word of
+// W (its 4 bf16 of k = 4q .. 4q + 3) meets each row's own 4 k, and the two lanes of a row are
+// added at the end. The price is a group's rows rounded up to a multiple of 4 (1.5 rows per
+// group on average; with 8 rows per vector, one pair each, it was 3.5, and G=256 with equal
+// groups of 12 rows took as long as with 16). On CPUs that split 512-bit operations into two
+// 256-bit halves (AMD Zen 4), VDPBF16PS on ymm runs at twice the rate of zmm, the same
+// multiply-adds per cycle (measured here: 3.62 G zmm / 7.24 G ymm instructions per second, 231
+// GFLOP/s both); the register blocks below run at 220 GFLOP/s on one core with data in L1
+// (broadcasts as separate VPBROADCASTQ loads: folded into VDPBF16PS as {1to4} operands, one
+// load per instruction, 88 GFLOP/s).
 // Measured on a 2-core AMD EPYC (Zen 4) VM (2026-11-30, 2 threads, forward with [G, N, K]
 // weights, direct and swapped alternating call by call in one process, group sizes drawn anew
 // per call, 15-30 rounds, medians, ratio to one dense torch.mm): G=8, M=4096, K=1024, N=2048
@@ -1487,124 +1496,128 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 // better with Dirichlet sizes and 1-7% worse with equal ones, and is not used.
 constexpr int64_t kVbsCols = 8;    // columns of C (rows of W) per register block of 2-3 vectors
 constexpr int64_t kVbsSlice = 32;  // columns of C per stored block (store_block_transposed's fast case)
+constexpr int64_t kVbsKC = 64;     // k-quads (4 k) per block: 64 x 8 bytes of each of 8-16 rows of W in L1
 
-// Rows [m0, m1) of A (k-contiguous) as pairs of k, 8 rows per vector: word (r, p) of the item
-// at dst[(r / 8) * KU * 8 + p * 8 + r % 8], zero past K and in the rows up to a multiple of 8.
-void vbs_pack_a(const Task& t, const Item& it, uint32_t* dst, int64_t KU) {
-  const int64_t rows = it.m1 - it.m0, rows8 = round_up(rows, 8), K = t.k;
+// Rows [m0, m1) of A (k-contiguous) by 4 rows x 4 k: quad q of rows 4R .. 4R + 3 at
+// dst + (R * KQ + q) * 8 (32-bit words), row i's 4 bf16 in words 2i, 2i + 1; zero past K and in
+// the rows up to a multiple of 4.
+void vbs_pack_a(const Task& t, const Item& it, uint32_t* dst, int64_t KQ) {
+  const int64_t rows = it.m1 - it.m0, K = t.k;
   const uint16_t* a = (const uint16_t*)t.a + it.m0 * t.a_sm;
-  for (int64_t r0 = 0; r0 < rows8; r0 += 16) {
-    for (int64_t p0 = 0; p0 < KU; p0 += 16) {
-      const __mmask32 km = mask32(K - 2 * p0);
-      __m512 v[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        v[i] = r0 + i < rows ? _mm512_castsi512_ps(masked_load_epi16x32(km, a + (r0 + i) * t.a_sm + 2 * p0)) : _mm512_setzero_ps();
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    uint32_t* d = dst + (r0 / 4) * KQ * 8;
+    for (int64_t q0 = 0; q0 < KQ; q0 += 4) {
+      const __mmask16 km = mask16(K - 4 * q0);
+      __m256i r[4];  // quads q0 .. q0 + 3 of row r0 + i
+      for (int64_t i = 0; i < 4; ++i) {
+        r[i] = r0 + i < rows ? masked_load_epi16x16(km, a + (r0 + i) * t.a_sm + 4 * q0) : _mm256_setzero_si256();
       }
-      transpose16(v);  // v[x]: pair p0 + x of rows r0 .. r0 + 15
-      for (int64_t x = 0; x < imin(16, KU - p0); ++x) {
-        float* d = (float*)dst + (r0 / 8) * KU * 8 + (p0 + x) * 8;
-        _mm256_store_ps(d, _mm512_castps512_ps256(v[x]));
-        if (r0 + 8 < rows8) _mm256_store_ps(d + KU * 8, _mm512_castps512_ps256(_mm512_shuffle_f32x4(v[x], v[x], 0xEE)));
-      }
+      const __m256i lo01 = _mm256_unpacklo_epi64(r[0], r[1]), hi01 = _mm256_unpackhi_epi64(r[0], r[1]);
+      const __m256i lo23 = _mm256_unpacklo_epi64(r[2], r[3]), hi23 = _mm256_unpackhi_epi64(r[2], r[3]);
+      const __m256i q[4] = {_mm256_permute2x128_si256(lo01, lo23, 0x20), _mm256_permute2x128_si256(hi01, hi23, 0x20),
+                            _mm256_permute2x128_si256(lo01, lo23, 0x31), _mm256_permute2x128_si256(hi01, hi23, 0x31)};
+      for (int64_t x = 0; x < imin(4, KQ - q0); ++x) _mm256_store_si256((__m256i*)(d + (q0 + x) * 8), q[x]);
     }
   }
 }
 
-// acc[i][j] += sum over pairs p0 .. p0 + kc of W[i] pair p times A^T vector j pair p (the
-// pairs of W: 32-bit words read from w[i] + 2p; of A^T: a + j * a_vec + p * 8), for i < NC
-// columns and j < MV vectors of 8 rows. `odd`: the last pair has only its low k (K odd), so its
-// word of W is read as one bf16 (the next one is past the row). pf_lines prefetches from pf
-// are spread evenly over the kc steps.
+// acc[i][j] += over quads q0 .. q0 + kc: W[i] quad q (64-bit words from w[i] + 4q, broadcast)
+// times A vector j quad q (a + j * a_vec + q * 8), for i < NC columns and j < MV vectors of 4
+// rows. `tail`: the last quad has K % 4 valid k, so its word of W is read masked (the rest is
+// past the row). pf_lines prefetches from pf are spread evenly over the kc steps.
 template <int MV, int NC>
-inline void vbs_kernel(const uint32_t* a, int64_t a_vec, const uint16_t* const* w, int64_t p0, int64_t kc, bool odd,
+inline void vbs_kernel(const uint32_t* a, int64_t a_vec, const uint16_t* const* w, int64_t q0, int64_t kc, int64_t tail,
                        __m256 (&acc)[NC][MV], const char* pf, int64_t pf_lines) {
-  const int64_t full = kc - (odd ? 1 : 0);
+  auto step = [&](int64_t q, auto load_w) {
+    __m256bh av[MV];
+#pragma GCC unroll 3
+    for (int j = 0; j < MV; ++j) av[j] = (__m256bh)_mm256_load_si256((const __m256i*)(a + j * a_vec + q * 8));
+#pragma GCC unroll 16
+    for (int i = 0; i < NC; ++i) {
+      const __m256bh bw = (__m256bh)_mm256_broadcastq_epi64(load_w(w[i] + 4 * (q0 + q)));
+#pragma GCC unroll 3
+      for (int j = 0; j < MV; ++j) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], bw, av[j]);
+    }
+  };
+  const int64_t full = kc - (tail ? 1 : 0);
   int64_t due = 0;
-  for (int64_t p = 0; p < full; ++p) {
+  for (int64_t q = 0; q < full; ++q) {
     for (due += pf_lines; due >= kc; due -= kc) {
       _mm_prefetch(pf, _MM_HINT_T1);
       pf += 64;
     }
-    __m256bh av[MV];
-#pragma GCC unroll 3
-    for (int j = 0; j < MV; ++j) av[j] = (__m256bh)_mm256_load_si256((const __m256i*)(a + j * a_vec + p * 8));
-#pragma GCC unroll 16
-    for (int i = 0; i < NC; ++i) {
-      // An unaligned load (rows of W are only 2-byte aligned when K is odd), one VPBROADCASTD.
-      const __m256bh bw = (__m256bh)_mm256_broadcastd_epi32(_mm_loadu_si32(w[i] + 2 * (p0 + p)));
-#pragma GCC unroll 3
-      for (int j = 0; j < MV; ++j) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], bw, av[j]);
-    }
+    // An unaligned load: rows of W are 2-byte aligned when K is odd.
+    step(q, [](const uint16_t* p) { return _mm_loadu_si64(p); });
   }
-  if (odd) {
-    const int64_t p = full;
-    for (int j = 0; j < MV; ++j) {
-      const __m256bh av = (__m256bh)_mm256_load_si256((const __m256i*)(a + j * a_vec + p * 8));
-      for (int i = 0; i < NC; ++i) {
-        acc[i][j] = _mm256_dpbf16_ps(acc[i][j], (__m256bh)_mm256_set1_epi32(w[i][2 * (p0 + p)]), av);
-      }
-    }
-  }
+  if (tail) step(full, [tail](const uint16_t* p) { return masked_load_epi16x8(mask8(tail), p); });
 }
 
-// One register block: NC columns of C (rows w of W) x 8 MV rows of the item, pairs [p0, p0 +
-// kc); partial sums in blk (C^T: blk[c][r], row stride ldb).
+// One register block: NC columns of C (rows w of W) x 4 MV rows of the item, quads [q0, q0 +
+// kc). Its sums, the two lanes of each row added, go to blk (C^T: blk[c][r], row stride ldb):
+// stored on the first k block, added to it on the others.
 template <int MV, int NC>
-__attribute__((noinline)) void vbs_block(const uint32_t* a, int64_t a_vec, const uint16_t* const* w, int64_t p0, int64_t kc,
-                                         bool odd, bool first, float* blk, int64_t ldb, PfRun pf) {
+__attribute__((noinline)) void vbs_block(const uint32_t* a, int64_t a_vec, const uint16_t* const* w, int64_t q0, int64_t kc,
+                                         int64_t tail, bool first, float* blk, int64_t ldb, PfRun pf) {
   __m256 acc[NC][MV];
 #pragma GCC unroll 16
   for (int i = 0; i < NC; ++i) {
 #pragma GCC unroll 3
-    for (int j = 0; j < MV; ++j) acc[i][j] = first ? _mm256_setzero_ps() : _mm256_load_ps(blk + i * ldb + 8 * j);
+    for (int j = 0; j < MV; ++j) acc[i][j] = _mm256_setzero_ps();
   }
-  vbs_kernel<MV, NC>(a, a_vec, w, p0, kc, odd, acc, pf.first, pf.lines);
-#pragma GCC unroll 16
-  for (int i = 0; i < NC; ++i) {
+  vbs_kernel<MV, NC>(a, a_vec, w, q0, kc, tail, acc, pf.first, pf.lines);
+#pragma GCC unroll 8
+  for (int i = 0; i < NC; i += 2) {
 #pragma GCC unroll 3
-    for (int j = 0; j < MV; ++j) _mm256_store_ps(blk + i * ldb + 8 * j, acc[i][j]);
+    for (int j = 0; j < MV; ++j) {
+      // [i: rows 0 1, i+1: rows 0 1 | i: rows 2 3, i+1: rows 2 3] -> [i: rows 0-3 | i+1: rows 0-3]
+      __m256 s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[i][j], acc[i + 1][j])), 0xD8));
+      float* lo = blk + i * ldb + 4 * j;
+      float* hi = lo + ldb;
+      if (!first) s = _mm256_add_ps(s, _mm256_loadu2_m128(hi, lo));
+      _mm256_storeu2_m128(hi, lo, s);
+    }
   }
 }
 
-// Vectors of 8 rows in the next register block, `left` rows to go: 3, or 2 where 3 would leave
+// Vectors of 4 rows in the next register block, `left` rows to go: 3, or 2 where 3 would leave
 // a single one. A block of one vector takes 16 columns at once (16 accumulators; with 8, fewer
-// than VDPBF16PS's latency times its rate, it ran at about 2/3 of the others' rate).
+// than VDPBF16PS's latency times its rate).
 int64_t vbs_vectors(int64_t left) {
-  const int64_t v = ceil_div(left, 8);
+  const int64_t v = ceil_div(left, 4);
   return v == 4 || v == 2 ? 2 : imin(3, v);
 }
 
 bool vbs_task(const Task& t) { return t.b_sk == 1 && t.b_sn != 1 && t.a_sk == 1 && t.m > kGemvRows; }
 
-// Bytes of vbs_item's workspace for items of up to `rows` rows: A^T packed, the C^T slice, the
+// Bytes of vbs_item's workspace for items of up to `rows` rows: A packed, the C^T slice, the
 // bias of a slice, and alignment.
 int64_t vbs_workspace(int64_t rows, int64_t K) {
-  return (round_up(rows, 16) * ceil_div(K, 2) + round_up(rows, 16) * kVbsSlice + kVbsSlice) * 4 + 3 * 64;
+  return (round_up(rows, 16) * ceil_div(K, 4) * 2 + round_up(rows, 16) * kVbsSlice + kVbsSlice) * 4 + 3 * 64;
 }
 
 template <Dt O>
 void vbs_item(const Task& t, const Item& it, void* ws) {
-  const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, KU = ceil_div(K, 2), ldb = round_up(rows, 16);
+  const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, KQ = ceil_div(K, 4), ldb = round_up(rows, 16);
   auto align = [](void* p) { return (float*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
   uint32_t* ap = (uint32_t*)align(ws);
-  float* blk = align(ap + ldb * KU);
+  float* blk = align(ap + round_up(rows, 4) * KQ * 2);
   float* bias = align(blk + kVbsSlice * ldb);
-  vbs_pack_a(t, it, ap, KU);
+  vbs_pack_a(t, it, ap, KQ);
   const uint16_t* b = (const uint16_t*)t.b;
   for (int64_t ns = 0; ns < cols; ns += kVbsSlice) {
     const int64_t nc = imin(kVbsSlice, cols - ns), col0 = it.n0 + ns;
     load_bias<Dt::bf16>(t, col0, nc, bias, kVbsSlice);
     int64_t calls = 0;  // register blocks in this slice, over which the prefetches are spread
-    for (int64_t r0 = 0; r0 < rows; r0 += 8 * vbs_vectors(rows - r0)) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4 * vbs_vectors(rows - r0)) {
       calls += vbs_vectors(rows - r0) == 1 ? ceil_div(nc, 2 * kVbsCols) : ceil_div(nc, kVbsCols);
     }
-    calls *= imax(1, ceil_div(KU, kKC));
+    calls *= imax(1, ceil_div(KQ, kVbsKC));
     // The next slice's rows of W (past the task's end: the next group's, which this thread
     // usually takes next), into L2 while this one computes.
     PrefetchBlock ahead(t.b, (col0 + kVbsSlice) * t.b_sn * 2, kVbsSlice, t.b_sn * 2, K * 2, calls);
-    for (int64_t p0 = 0; p0 == 0 || p0 < KU; p0 += kKC) {
-      const int64_t kc = imin(kKC, KU - p0);
-      const bool first = p0 == 0, odd = (K & 1) && p0 + kc == KU;
+    if (K == 0) memset(blk, 0, sizeof(float) * kVbsSlice * ldb);
+    for (int64_t q0 = 0; q0 < KQ; q0 += kVbsKC) {
+      const int64_t kc = imin(kVbsKC, KQ - q0), tail = q0 + kc == KQ ? K % 4 : 0;
       for (int64_t c0 = 0; c0 < nc; c0 += 2 * kVbsCols) {
         // Rows of W past the task's columns repeat its last one (computed, never stored).
         const uint16_t* w[2 * kVbsCols];
@@ -1612,16 +1625,18 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
         const bool two = c0 + kVbsCols < nc;
         for (int64_t r0 = 0; r0 < rows;) {
           const int64_t mv = vbs_vectors(rows - r0);
-          const uint32_t* a = ap + (r0 / 8) * KU * 8 + p0 * 8;
+          const uint32_t* a = ap + (r0 / 4) * KQ * 8 + q0 * 8;
           float* bk = blk + c0 * ldb + r0;
-          r0 += mv * 8;
+          r0 += mv * 4;
           if (mv == 1) {
-            vbs_block<1, 2 * kVbsCols>(a, KU * 8, w, p0, kc, odd, first, bk, ldb, ahead.take());
+            vbs_block<1, 2 * kVbsCols>(a, KQ * 8, w, q0, kc, tail, q0 == 0, bk, ldb, ahead.take());
             continue;
           }
           for (int h = 0; h < (two ? 2 : 1); ++h) {
-            if (mv == 3) vbs_block<3, kVbsCols>(a, KU * 8, w + h * kVbsCols, p0, kc, odd, first, bk + h * kVbsCols * ldb, ldb, ahead.take());
-            else vbs_block<2, kVbsCols>(a, KU * 8, w + h * kVbsCols, p0, kc, odd, first, bk + h * kVbsCols * ldb, ldb, ahead.take());
+            const uint16_t* const* wh = w + h * kVbsCols;
+            float* bh = bk + h * kVbsCols * ldb;
+            if (mv == 3) vbs_block<3, kVbsCols>(a, KQ * 8, wh, q0, kc, tail, q0 == 0, bh, ldb, ahead.take());
+            else vbs_block<2, kVbsCols>(a, KQ * 8, wh, q0, kc, tail, q0 == 0, bh, ldb, ahead.take());
           }
         }
       }
