@@ -236,16 +236,17 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
         assert torch.equal(o, outs[0])  # no split-K: each output element has one summation order
 
 
-@pytest.mark.parametrize("K", [1, 31, 256, 257, 515])
+@pytest.mark.parametrize("K", [1, 31, 256, 257, 258, 515])
 @pytest.mark.parametrize("level", machine_levels(("avx512_bf16", "avx512_bf16_swapped")))
 def test_bf16_schemes_on_row_and_column_edges(level, K):
     """Both AVX512-BF16 schemes on k-contiguous weights ([G, N, K] transposed): groups of 5-49
-    rows (the swapped scheme's blocks of 8, 16 and 24 rows, and their remainders), 1-45 columns
-    (blocks of 8, 16 and 32 columns, partial ones), K odd (its last pair read as one bf16), even,
-    and over one 256-pair block, with a bias and both output dtypes. Every row of W is followed
-    by a NaN in memory (row stride K + 1): a read past a row would put NaN into the output."""
+    rows (the swapped scheme's blocks of 4, 8 and 12 rows, and their remainders), 1-45 columns
+    (blocks of 8, 16 and 32 columns, partial ones), K % 4 of 1, 2 and 3 (the last 4 k of a row
+    of W read masked) and 0, within one block of 256 k and over it, with a bias and both output
+    dtypes. Every row of W is followed by a NaN in memory (row stride K + 1): a read past a row
+    would put NaN into the output."""
     gen = torch.Generator().manual_seed(K)
-    sizes = [5, 7, 8, 9, 16, 17, 24, 25, 31, 33, 40, 49]
+    sizes = [5, 6, 7, 8, 9, 12, 13, 16, 17, 20, 24, 25, 31, 33, 40, 49]
     G, M = len(sizes), sum(sizes)
     offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
     a = torch.randn(M, K, generator=gen).bfloat16()
