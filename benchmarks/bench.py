@@ -126,6 +126,7 @@ def bench_device(dev, shapes, modes, dtypes, args) -> list:
     for shape, mode, dname in _progress(todo, dev.name):
         dtype = DTYPES[dname]
         t = make_tensors(shape, mode, dtype, device)
+        huge = moe_ops.cpu_huge_pages(t.b, t.dense_b) if args.huge_page_weights and mode != "wgrad" else None
         cands = peers(t, device, args.with_jax)
         ref = cands[REFERENCE][0]()
         fns, entry = {}, {}
@@ -157,6 +158,8 @@ def bench_device(dev, shapes, modes, dtypes, args) -> list:
                 p["ratio"] = p["median_ms"] / dense
         rows.append({"device": dev.name, "shape": shape.name, "source": shape.source, "G": shape.G, "M": shape.M,
                      "K": shape.K, "N": shape.N, "mode": mode, "dtype": dname, "peers": entry})
+        if huge is not None:
+            rows[-1]["weights_in_huge_pages_bytes"] = huge
         del t, cands, fns, ref
     return rows
 
@@ -233,6 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-reps", type=int, default=None)
     ap.add_argument("--group-sizes", choices=("fresh", "fixed"), default="fresh",
                     help="a new Dirichlet draw of group sizes for every call (default), or the case's one draw")
+    ap.add_argument("--huge-page-weights", action="store_true",
+                    help="CPU: move each case's expert weights (every peer's, the dense roofline's too) into huge "
+                         "pages with moe_ops.cpu_huge_pages, as README's 'Huge pages for the weights' advises")
     ap.add_argument("--out-dir", default="bench-out", help="where <device>.json/.md/.png go")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--with-jax", action="store_true",
@@ -259,7 +265,9 @@ def main(argv=None) -> int:
         else:
             shapes = (list(ISSUE_SHAPES) if "issue" in args.shapes else []) + (
                 model_shapes(dev.tokens, dev.weight_budget) if "models" in args.shapes else [])
-        print(f"[{dev.name}] {dev.describe()}; torch {torch.__version__}; moe_ops {moe_ops.__version__}")
+        desc = dev.describe() + ("; expert weights moved into huge pages (--huge-page-weights)"
+                                 if args.huge_page_weights and dev.name == "cpu" else "")
+        print(f"[{dev.name}] {desc}; torch {torch.__version__}; moe_ops {moe_ops.__version__}")
         t0 = time.time()
         rows = bench_device(dev, shapes, modes, dtypes, args)
         if dev.name == "cpu" and not args.quick:
@@ -267,7 +275,7 @@ def main(argv=None) -> int:
                 if "median_ms" in r["peers"][DENSE]:
                     r["bandwidth_gbs"] = memory_bandwidth(expert_bytes(r), write=r["mode"] == "wgrad")
                     r["memory_floor"] = floor_ratio(r, r["bandwidth_gbs"])
-        meta = {"device": dev.describe(), "torch": torch.__version__, "moe_ops": moe_ops.__version__,
+        meta = {"device": desc, "torch": torch.__version__, "moe_ops": moe_ops.__version__,
                 "commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "python": platform.python_version(), "threads": torch.get_num_threads(),
                 "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
@@ -283,11 +291,11 @@ def main(argv=None) -> int:
         base = os.path.join(args.out_dir, dev.name)
         report.write_json(base + ".json", meta, rows)
         with open(base + ".md", "w") as f:
-            f.write(f"{dev.describe()}; torch {torch.__version__}; {meta['date']}; group sizes {args.group_sizes}; "
+            f.write(f"{desc}; torch {torch.__version__}; {meta['date']}; group sizes {args.group_sizes}; "
                     f"load average {meta['load_average']}\n\n{report.table(rows, markdown=True)}\n")
             if tg:
                 f.write(f"\nIssue #6 targets ({torch.get_num_threads()} threads):\n\n```\n{tg}\n```\n\n{FLOOR_NOTE}.\n")
-        why_not = "" if args.no_plot else report.plot(base + ".png", rows, f"moe_ops grouped_mm / dense mm: {dev.describe()}")
+        why_not = "" if args.no_plot else report.plot(base + ".png", rows, f"moe_ops grouped_mm / dense mm: {desc}")
         print(f"\nwrote {base}.json, {base}.md" + ("" if args.no_plot or why_not else f", {base}.png")
               + (f" (no plot: {why_not})" if why_not else ""))
     return 0

@@ -759,9 +759,10 @@ def test_the_suite_collects_without_the_compiled_module():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-def test_benchmark_smoke(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--huge-page-weights", "--modes", "fwd,wgrad"]], ids=["plain", "huge-page-weights"])
+def test_benchmark_smoke(tmp_path, extra):
     r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench.py"), "--quick", "--devices", "cpu",
-                        "--dtypes", "bf16", "--out-dir", str(tmp_path), "--no-plot"],
+                        "--dtypes", "bf16", "--out-dir", str(tmp_path), "--no-plot", *extra],
                        capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "cpu.json").read_text())
@@ -770,6 +771,9 @@ def test_benchmark_smoke(tmp_path):
         op = row["peers"]["moe_ops"]
         assert "median_ms" in op and op["kernel"].startswith("cpu:"), row
         assert "median_ms" in row["peers"]["dense torch.mm"]
+        # the weights (not wgrad's activations) are offered to cpu_huge_pages, which reports bytes moved
+        assert ("weights_in_huge_pages_bytes" in row) == (bool(extra) and row["mode"] != "wgrad"), row
+    assert ("expert weights moved into huge pages" in data["meta"]["device"]) == bool(extra)
 
 
 def _smaps_field(lo: int, hi: int, field: str) -> int:

@@ -1485,15 +1485,19 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 // (broadcasts as separate VPBROADCASTQ loads: folded into VDPBF16PS as {1to4} operands, one
 // load per instruction, 88 GFLOP/s).
 // Measured on a 2-core AMD EPYC (Zen 4) VM (2026-11-30, 2 threads, forward with [G, N, K]
-// weights, direct and swapped alternating call by call in one process, group sizes drawn anew
-// per call, 15-30 rounds, medians, ratio to one dense torch.mm): G=8, M=4096, K=1024, N=2048
-// x1.17 -> x1.12; G=64, M=2048, K=N=512 x1.50 -> x1.38; G=256, M=4096, K=512, N=256 x2.20 ->
-// x1.92; Mixtral /4 x1.18 -> x1.12, GPT-OSS-20B /4 x1.67 -> x1.35, OLMoE /2 x1.35 -> x1.29,
-// Qwen3-30B-A3B /4 x1.59 -> x1.50, DeepSeek-V3 /16 x2.01 -> x1.77. With one weight matrix
-// shared by all groups (compute only), G=256 with equal groups of 16 rows: x1.83 -> x1.27.
+// weights in 4 KiB pages, direct and swapped alternating call by call in one process, 48 MiB
+// written between calls, group sizes drawn anew per call, 6-20 rounds, medians, ratio to one
+// dense torch.mm): G=8, M=4096, K=1024, N=2048 x1.06 -> x1.02; G=64, M=2048, K=N=512 x1.51 ->
+// x1.40; G=256, M=4096, K=512, N=256 x2.06 -> x1.75; Mixtral /4 x1.18 -> x1.15, GPT-OSS-20B /4
+// x1.55 -> x1.23, OLMoE /2 x1.40 -> x1.34, Qwen3-30B-A3B /4 x1.62 -> x1.51, DeepSeek-V3 /16
+// x2.25 -> x1.91. With one weight matrix shared by all groups (the compute alone): G=64 x1.41 ->
+// x1.21, G=256 x1.69 -> x1.32; the rest is streaming the weights, a nested page walk per 4 KiB
+// page on this VM that prefetching does not hide (README, "Huge pages for the weights").
 // The weights' prefetch: the next slice of W (32 rows) into L2 during this one; a further
 // window (128-512 KiB ahead, so that small groups find their weights in L2) measured 1-4%
-// better with Dirichlet sizes and 1-7% worse with equal ones, and is not used.
+// better with Dirichlet sizes and 1-7% worse with equal ones, and is not used. The same scheme
+// for fp32 (4 rows x 2 k per vector, FMA) measured level with the direct one on G=64 / G=256
+// and 4-6% slower with the caches flushed (2 threads), and is not used.
 constexpr int64_t kVbsCols = 8;    // columns of C (rows of W) per register block of 2-3 vectors
 constexpr int64_t kVbsSlice = 32;  // columns of C per stored block (store_block_transposed's fast case)
 constexpr int64_t kVbsKC = 64;     // k-quads (4 k) per block: 64 x 8 bytes of each of 8-16 rows of W in L1
