@@ -236,28 +236,32 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
         assert torch.equal(o, outs[0])  # no split-K: each output element has one summation order
 
 
-@pytest.mark.parametrize("K", [1, 31, 256, 257, 258, 515])
+@pytest.mark.parametrize("K", [1, 31, 127, 128, 257, 258, 515])
 @pytest.mark.parametrize("level", machine_levels(("avx512_bf16", "avx512_bf16_swapped")))
-def test_bf16_schemes_on_row_and_column_edges(level, K):
-    """Both AVX512-BF16 schemes on k-contiguous weights ([G, N, K] transposed): groups of 5-49
-    rows (the swapped scheme's blocks of 4, 8 and 12 rows, and their remainders), 1-45 columns
-    (blocks of 8, 16 and 32 columns, partial ones), K % 4 of 1, 2 and 3 (the last 4 k of a row
-    of W read masked) and 0, within one block of 256 k and over it, with a bias and both output
-    dtypes. Every row of W is followed by a NaN in memory (row stride K + 1): a read past a row
-    would put NaN into the output."""
+def test_bf16_kernels_on_row_and_column_edges(level, K):
+    """The AVX512-BF16 kernels on both weight layouts. [G, N, K] transposed (k-contiguous): both
+    schemes, with K % 4 of 1, 2 and 3 (the swapped scheme reads the last 4 k of a row of W
+    masked) and 0. [G, K, N] (n-contiguous): row pairs interleaved in column order (K < 128) or
+    within 128-bit lanes and restored at the store (K >= 128), K odd (the last pair has no second
+    row). Groups of 5-49 rows (the swapped scheme's blocks of 4, 8 and 12 rows, the direct one's
+    of 6, and remainders), 1-45 columns (blocks of 8, 16, 32 and 64 columns, partial ones), within
+    one block of k and over it, with a bias and both output dtypes. Every row of W is followed by
+    a NaN in memory: a read past a row would put NaN into the output."""
     gen = torch.Generator().manual_seed(K)
     sizes = [5, 6, 7, 8, 9, 12, 13, 16, 17, 20, 24, 25, 31, 33, 40, 49]
     G, M = len(sizes), sum(sizes)
     offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
     a = torch.randn(M, K, generator=gen).bfloat16()
     for N in (1, 7, 9, 16, 33, 45):
-        padded = torch.full((G, N, K + 1), float("nan"), dtype=torch.bfloat16)
-        padded[:, :, :K] = torch.randn(G, N, K, generator=gen).bfloat16()
-        b = padded[:, :, :K].transpose(1, 2)  # [G, K, N], k-contiguous, rows K + 1 apart
+        nk = torch.full((G, N, K + 1), float("nan"), dtype=torch.bfloat16)
+        nk[:, :, :K] = torch.randn(G, N, K, generator=gen).bfloat16()
+        kn = torch.full((G, K, N + 1), float("nan"), dtype=torch.bfloat16)
+        kn[:, :, :N] = torch.randn(G, K, N, generator=gen).bfloat16()
+        weights = {"[G,N,K]": nk[:, :, :K].transpose(1, 2), "[G,K,N]": kn[:, :, :N]}  # rows K + 1 / N + 1 apart
         bias = torch.randn(G, N, generator=gen).bfloat16()
-        for out_dtype in (None, torch.float32):
+        for (name, b), out_dtype in itertools.product(weights.items(), (None, torch.float32)):
             out = run((a, b, offs, bias, out_dtype), level)
-            check(out, a, b, offs, bias, out_dtype, what=f"{level} K={K} N={N} out {out_dtype}")
+            check(out, a, b, offs, bias, out_dtype, what=f"{level} {name} K={K} N={N} out {out_dtype}")
 
 
 @pytest.mark.parametrize("weights", ["[G,N,K]", "[G,K,N]"])
