@@ -236,7 +236,7 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
         assert torch.equal(o, outs[0])  # no split-K: each output element has one summation order
 
 
-@pytest.mark.parametrize("K", [1, 31, 127, 128, 257, 258, 515])
+@pytest.mark.parametrize("K", [1, 31, 127, 128, 257, 515, 1030])
 @pytest.mark.parametrize("level", machine_levels(("avx512_bf16", "avx512_bf16_swapped")))
 def test_bf16_kernels_on_row_and_column_edges(level, K):
     """The AVX512-BF16 kernels on both weight layouts. [G, N, K] transposed (k-contiguous): both

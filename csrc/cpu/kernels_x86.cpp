@@ -1560,7 +1560,12 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 // and 4-6% slower with the caches flushed (2 threads), and is not used.
 constexpr int64_t kVbsCols = 8;    // columns of C (rows of W) per register block of 2-3 vectors
 constexpr int64_t kVbsSlice = 32;  // columns of C per stored block (store_block_transposed's fast case)
-constexpr int64_t kVbsKC = 64;     // k-quads (4 k) per block: 64 x 8 bytes of each of 8-16 rows of W in L1
+// k-quads (4 k) per block: 2 KiB of each of 8-16 rows of W. Measured (2 threads, forward, one
+// process alternating, caches flushed between calls), 64 / 128 / 256 quads: G=64, M=2048,
+// K=N=512 x1.48 / x1.41 / -; G=256, M=4096, K=512, N=256 x1.89 / x1.79 / -; OLMoE /2 (K=1024)
+// x1.36 / x1.30 / x1.25; G=8, M=4096, K=1024, N=2048 x1.13 / x1.08 / x1.05 (fewer passes over
+// the partial sums); at K=2048 and 4096, 128-1024 quads within the noise.
+constexpr int64_t kVbsKC = 256;
 
 // Rows [m0, m1) of A (k-contiguous) by 4 rows x 4 k: quad q of rows 4R .. 4R + 3 at
 // dst + (R * KQ + q) * 8 (32-bit words), row i's 4 bf16 in words 2i, 2i + 1; zero past K and in
