@@ -26,6 +26,7 @@ import gc
 import itertools
 import json
 import os
+import platform
 import random
 import re
 import subprocess
@@ -117,6 +118,21 @@ def test_extension_serves_the_op_forward_and_backward():
     # forward, d mat_a (2d3d), d mat_b (2d2d): all three on the native kernel
     assert moe_ops.kernel_counts() == {served(torch.float64): 3}
     assert torch.count_nonzero(b.grad[1]) == 0  # the empty expert gets an exactly zero gradient
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="reads the CPU vendor and family from Linux's /proc/cpuinfo on x86-64")
+def test_bf16_scheme_follows_the_cpu_family_and_is_reported():
+    """The swapped bf16 scheme is the default exactly on AMD family 25 (0x19, Zen 4: 512-bit
+    operations as two 256-bit halves), as /proc/cpuinfo names it (the kernel decodes CPUID
+    itself), and `python -m moe_ops`'s CPU line says so where bf16 runs on AVX512-BF16."""
+    with open("/proc/cpuinfo") as f:
+        first_cpu = f.read().split("\n\n")[0]
+    info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
+    zen4_family = info["vendor_id"] == "AuthenticAMD" and int(info["cpu family"]) == 25
+    assert torch.ops.moe_cpu.bf16_swapped() == zen4_family
+    said = "swapped scheme" in cpu_backend.status().detail
+    assert said == (zen4_family and torch.ops.moe_cpu.machine() == "avx512_bf16")
 
 
 def test_gradcheck_through_the_native_kernel():

@@ -96,6 +96,12 @@ bool half_width_avx512() {
 #endif
 }
 
+// half_width_avx512(), asked once.
+bool half_width_cpu() {
+  static const bool half = half_width_avx512();
+  return half;
+}
+
 Isa detect_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   return detect_isa_x86();
@@ -475,8 +481,7 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
   const auto dtype = mat_a.scalar_type();
   const bool stream = p.out.nbytes() >= kStreamBytes && in_reused_block(p.out);
-  static const bool half_width = half_width_avx512();
-  const bool swapped = bf16_scheme < 0 ? half_width : bf16_scheme == 1;
+  const bool swapped = bf16_scheme < 0 ? half_width_cpu() : bf16_scheme == 1;
   for (Task& t : p.tasks) {
     t.stream = stream;
     t.bf16_swapped = swapped;
@@ -526,6 +531,8 @@ void register_ops() {
            "int isa=-1, int bf16_scheme=-1) -> Tensor");
   def->def("kernel_for(ScalarType dtype, int isa=-1) -> str", &kernel_for);
   def->def("machine() -> str", &machine);
+  // Whether bf16 with k-contiguous operands takes the swapped scheme by default here.
+  def->def("bf16_swapped() -> bool", &half_width_cpu);
   // The output cache (output_cache.cpp): [bytes of free blocks held, limit]; empty_cache unmaps
   // the free blocks and returns how many bytes that released.
   def->def("cache_info() -> int[]", &cache_info);

@@ -188,6 +188,9 @@ def status() -> Status:
         return Status(NAME, ("CPU",), None, _why_not)
     kernels = ", ".join(f"{d}: {_kernel_name(getattr(torch, d))}" for d in ("bfloat16", "float32", "float16", "float64"))
     cached, limit = torch.ops.moe_cpu.cache_info()
+    machine = torch.ops.moe_cpu.machine()
+    swapped = ("bf16 with k-contiguous weights in the swapped scheme (rows in 256-bit lanes: this CPU runs 512-bit "
+               "operations as two halves); " if machine == "avx512_bf16" and torch.ops.moe_cpu.bf16_swapped() else "")
     return Status(NAME, ("CPU",), "native",
-                  f"C++ kernel, {torch.get_num_threads()} threads, {torch.ops.moe_cpu.machine()} CPU ({kernels}); "
+                  f"C++ kernel, {torch.get_num_threads()} threads, {machine} CPU ({kernels}); {swapped}"
                   f"output cache {cached >> 20} of {limit >> 20} MiB")
