@@ -879,6 +879,20 @@ def test_benchmarks_say_how_tensors_are_paged(monkeypatch):
     assert unset in devices.Cpu(None).describe()
 
 
+def test_schemes_benchmark_smoke(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "schemes.py"), "--shapes", "quick",
+                        "--rounds", "1", "--flush-mib", "1", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if torch.ops.moe_cpu.machine() != "avx512_bf16":
+        assert "nothing to compare" in r.stdout and not (tmp_path / "schemes.json").exists()
+        return
+    rows = json.loads((tmp_path / "schemes.json").read_text())["results"]
+    assert [row["shape"] for row in rows] == ["quick G4", "quick G32"]
+    for row in rows:
+        assert set(row["median_ms"]) == {"dense torch.mm", "direct", "swapped"} and row["swapped_over_direct"] > 0
+
+
 def test_decode_and_host_overhead_benchmarks_smoke(tmp_path):
     """benchmarks/decode.py (small weights, two rounds: every peer's result is checked against
     the loop of torch.mm before it is timed) and benchmarks/host_overhead.py run and write their
