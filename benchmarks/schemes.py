@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import moe_ops  # noqa: E402
-from cases import ISSUE_SHAPES, QUICK_SHAPES, Shape, dirichlet_offs, model_shapes  # noqa: E402
+from cases import ISSUE_SHAPES, QUICK_SHAPES, Shape, dirichlet_offs, make_tensors, model_shapes  # noqa: E402
 from devices import tensor_pages  # noqa: E402
 
 SCHEMES = {"direct": 0, "swapped": 1}
@@ -41,11 +41,10 @@ DENSE = "dense torch.mm"
 
 
 def time_shape(shape: Shape, rounds: int, flush: torch.Tensor | None, shared: bool, seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(shape.M, shape.K, generator=gen).bfloat16()
-    w = torch.randn(1 if shared else shape.G, shape.N, shape.K, generator=gen).bfloat16()
-    b = w.expand(shape.G, shape.N, shape.K).transpose(1, 2)  # [G, K, N], k-contiguous
-    dense_b = torch.randn(shape.N, shape.K, generator=gen).bfloat16().t()
+    t = make_tensors(shape, "fwd", torch.bfloat16, "cpu", seed)  # b: [G, N, K] weights as [G, K, N], k-contiguous
+    a, b, dense_b = t.a, t.b, t.dense_b
+    if shared:
+        b = b[:1].expand(shape.G, shape.K, shape.N)
     offs = [dirichlet_offs(shape.G, shape.M, seed + i) for i in range(25)]
     op = torch.ops.moe_cpu.grouped_mm.default
 

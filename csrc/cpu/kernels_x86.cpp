@@ -1458,7 +1458,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
   // to repay that (kPermMinK).
   const bool perm = VT::kPairs && t.b_sn == 1 && K >= kPermMinK;
   auto rows_block = [&](int64_t mb, int64_t col0, int64_t nc, const S* b, int64_t k0, int64_t kc, S* pb,
-                        const S* bias_blk, PfRun pf, bool perm) {
+                        const S* bias_blk, PfRun pf) {
     const S* a = ap + mb * lda + k0;
     const bool first = k0 == 0, last = k0 + kKC >= KU;
     const int64_t row0 = it.m0 + mb;
@@ -1484,7 +1484,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
       for (int64_t k0 = 0; k0 == 0 || k0 < KU; k0 += kKC) {  // K == 0: one pass, C = bias
         const int64_t kc = imin(kKC, KU - k0);
         for (int64_t mb = 0; mb < rows; mb += kMR) {
-          rows_block(mb, col0, nc, bp + k0 * NR, k0, kc, part + mb * NR, bias, ahead.take(), false);
+          rows_block(mb, col0, nc, bp + k0 * NR, k0, kc, part + mb * NR, bias, ahead.take());
         }
       }
     }
@@ -1521,7 +1521,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
         const int64_t col0 = it.n0 + nw + sb * NR, nc = imin(NR, wc - sb * NR);
         for (int64_t mb = 0; mb < rows; mb += kMR) {
           rows_block(mb, col0, nc, bp + sb * kc * NR, k0, kc, part + (mb * nsub + sb * kMR) * NR, bias + sb * NR,
-                     ahead.take(), perm);
+                     ahead.take());
         }
       }
     }
@@ -1541,9 +1541,9 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 // groups of 12 rows took as long as with 16). On CPUs that split 512-bit operations into two
 // 256-bit halves (AMD Zen 4), VDPBF16PS on ymm runs at twice the rate of zmm, the same
 // multiply-adds per cycle (measured here: 3.62 G zmm / 7.24 G ymm instructions per second, 231
-// GFLOP/s both); the register blocks below run at 220 GFLOP/s on one core with data in L1
-// (broadcasts as separate VPBROADCASTQ loads: folded into VDPBF16PS as {1to4} operands, one
-// load per instruction, 88 GFLOP/s).
+// GFLOP/s both). In the first version (8 rows per vector, 32-bit words of W) the register
+// blocks ran at 220 GFLOP/s on one core with data in L1 with the broadcasts as separate loads,
+// and at 88 GFLOP/s with them folded into VDPBF16PS as {1to8} operands (one load each).
 // Measured on a 2-core AMD EPYC (Zen 4) VM (2026-11-30, 2 threads, forward with [G, N, K]
 // weights in 4 KiB pages, direct and swapped alternating call by call in one process, 48 MiB
 // written between calls, group sizes drawn anew per call, 6-20 rounds, medians, ratio to one
