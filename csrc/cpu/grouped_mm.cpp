@@ -304,7 +304,7 @@ std::vector<Item> make_items(const std::vector<Task>& tasks, int64_t threads, in
     const double task_cost = (double)t.m * t.n * (double)std::max<int64_t>(t.k, 16);
     const int64_t need = std::max<int64_t>(1, (int64_t)std::ceil(task_cost / cap));
     const int64_t row_pieces = (need + max_cols_pieces - 1) / max_cols_pieces;
-    int64_t rows = max_rows(t.k);
+    int64_t rows = max_rows(t);
     if (row_pieces > (t.m + rows - 1) / rows) rows = (t.m + row_pieces - 1) / row_pieces;
     for (int64_t m0 = 0; m0 < t.m; m0 += rows) {
       const int64_t m1 = std::min(t.m, m0 + rows);
@@ -367,10 +367,10 @@ void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
   const int64_t threads = at::get_num_threads();
   const int64_t n_align = (isa == Isa::amx && in == Dt::bf16) ? 32 : 64;
   const auto items = make_items(
-      tasks, threads, n_align, [&](int64_t k) { return x86::max_item_rows(isa, in, k); },
+      tasks, threads, n_align, [&](const Task& t) { return x86::max_item_rows(isa, in, t); },
       [&](const Task& t) { return x86::whole_row_items(isa, in, t); });
   int64_t ws_bytes = 0;
-  for (const auto& t : tasks) ws_bytes = std::max(ws_bytes, x86::workspace_bytes(isa, in, t.k));
+  for (const auto& t : tasks) ws_bytes = std::max(ws_bytes, x86::workspace_bytes(isa, in, t));
   run_items(
       item_costs(tasks, items),
       [&] {
@@ -388,7 +388,7 @@ void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
 // inside the parallel region.
 void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>& tasks) {
   const auto items = make_items(
-      tasks, at::get_num_threads(), 16, [](int64_t) { return int64_t{256}; }, [](const Task&) { return false; });
+      tasks, at::get_num_threads(), 16, [](const Task&) { return int64_t{256}; }, [](const Task&) { return false; });
   const auto acc = in == at::kDouble ? at::kDouble : at::kFloat;
   const auto in_opts = at::TensorOptions().dtype(in);
   run_items(

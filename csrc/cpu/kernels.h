@@ -44,15 +44,15 @@ struct Item {
 
 namespace x86 {
 
-// Largest number of rows of one Item for a problem with this k: for the FMA kernel, so that the
-// packed rows of A stay in L2; AMX items take whole groups (see kernels_x86.cpp).
-int64_t max_item_rows(Isa isa, Dt in, int64_t k);
+// Largest number of rows of one Item of this task: for the FMA kernel, so that the packed rows
+// of A stay in L2; AMX items take whole groups (see kernels_x86.cpp).
+int64_t max_item_rows(Isa isa, Dt in, const Task& task);
 // True for a task whose kernel streams the rows of B across all columns of an item (groups of a
 // few rows with n-contiguous B): make_items then cuts it into as few column pieces as the
 // threads need, so that each item reads whole rows of B.
 bool whole_row_items(Isa isa, Dt in, const Task& task);
-// Bytes of scratch one thread needs for items of a problem with this k.
-int64_t workspace_bytes(Isa isa, Dt in, int64_t k);
+// Bytes of scratch one thread needs for items of this task.
+int64_t workspace_bytes(Isa isa, Dt in, const Task& task);
 // Called by each thread before / after its items (AMX: load / release the tile configuration).
 void thread_begin(Isa isa, Dt in);
 void thread_end(Isa isa, Dt in);

@@ -1674,6 +1674,18 @@ int64_t vbs_vectors(int64_t left) {
 
 bool vbs_task(const Task& t) { return t.b_sk == 1 && t.b_sn != 1 && t.a_sk == 1 && t.m > kGemvRows; }
 
+// Rows of a vbs_item: the packed rows of one k block (kVbsKC quads) within 256 KiB of L2, 16 to
+// 256 rows (128 from K = 1024). Each item reads its group's weights once, so FMA-sized items (A
+// packed whole within 512 KiB: 32 rows at K = 4096) read a large group's weights from memory
+// once per 32 rows. Measured (2 threads, forward, [G, N, K] weights, Dirichlet sizes, caches
+// flushed, one process alternating, 14-16 rounds, medians, ratio to dense; 2026-11-30): G=8,
+// M=2048, K=4096, N=1024 x1.23 / x1.27 -> x1.15 / x1.18; G=32, M=4096, K=4096, N=512 x1.24 /
+// x1.22 -> x1.15 / x1.15; K=2048 (64 -> 128 rows) x1.15 / x1.11 -> x1.13 / x1.13; 256 rows at
+// K=4096 measured as 128.
+int64_t vbs_item_rows(int64_t K) {
+  return imax(16, imin(256, (256 * 1024) / (2 * imax(imin(K, 4 * kVbsKC), 1))) / 16 * 16);
+}
+
 // Bytes of vbs_item's workspace for items of up to `rows` rows: A packed, the C^T slice, the
 // bias of a slice, and alignment.
 int64_t vbs_workspace(int64_t rows, int64_t K) {
@@ -1732,12 +1744,15 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
 
 bool uses_amx(Isa isa, Dt in) { return isa == Isa::amx && in == Dt::bf16; }
 bool uses_pairs(Isa isa, Dt in) { return isa == Isa::avx512bf16 && in == Dt::bf16; }
+bool uses_swapped(Isa isa, Dt in, const Task& t) { return uses_pairs(isa, in) && t.bf16_swapped && vbs_task(t); }
 
 constexpr int64_t kWholeGroup = int64_t(1) << 40;
 
 }  // namespace
 
-int64_t max_item_rows(Isa isa, Dt in, int64_t k) {
+int64_t max_item_rows(Isa isa, Dt in, const Task& task) {
+  const int64_t k = task.k;
+  if (uses_swapped(isa, in, task)) return vbs_item_rows(k);
   // AMX items of any size (amx_item_panels takes those past amx_item_rows): a group is cut
   // into column slices only, so its weights are packed once per call. Measured here (2 threads,
   // G=8, M=4096, K=1024, N=2048, bf16, 20 alternating rounds): rows cut at 512 / 1024 / whole
@@ -1749,9 +1764,10 @@ bool whole_row_items(Isa isa, Dt in, const Task& task) {
   return isa != Isa::generic && in != Dt::f64 && gemvt_task(task);
 }
 
-int64_t workspace_bytes(Isa isa, Dt in, int64_t k) {
+int64_t workspace_bytes(Isa isa, Dt in, const Task& task) {
+  const int64_t k = task.k;
   if (uses_amx(isa, in)) return amx_workspace(k);
-  if (uses_pairs(isa, in)) return imax(fma_workspace(in, k), vbs_workspace(fma_item_rows(in, k), k));
+  if (uses_swapped(isa, in, task)) return vbs_workspace(vbs_item_rows(k), k);
   return fma_workspace(in, k);
 }
 
@@ -1786,7 +1802,7 @@ void run_item(Isa isa, Dt in, Dt out, const Task& task, const Item& item, void* 
     case Dt::f32: fma_item<VF, Dt::f32, Dt::f32>(task, item, ws); break;
     case Dt::bf16:
       if (uses_pairs(isa, in)) {
-        if (task.bf16_swapped && vbs_task(task)) {
+        if (uses_swapped(isa, in, task)) {
           if (out == Dt::f32) vbs_item<Dt::f32>(task, item, ws);
           else vbs_item<Dt::bf16>(task, item, ws);
         } else if (out == Dt::f32) fma_item<VB, Dt::bf16, Dt::f32>(task, item, ws);
