@@ -1375,10 +1375,19 @@ __attribute__((noinline)) void fma_rows(const Task& t, int64_t row0, int64_t col
   }
 }
 
-int64_t fma_item_rows(Dt in, int64_t K) {
-  // Packed rows of A stay in L2: at most 512 KiB, 6..240 rows.
-  const int64_t bytes = (in == Dt::f64 ? 8 : 4) * imax(K, 1);
-  return imax(kMR, imin(240, (512 * 1024 / bytes) / kMR * kMR));
+// Rows of an FMA item, 6..240: its packed rows of A within 512 KiB of fp32 / fp64 words, or
+// 1 MiB of bf16 pairs (VB: 2 bytes per k). Each item packs its own copy of its columns of the
+// group's weights, so a cap in rows reads a large group's weights from memory once per that many
+// rows: with VB items cut like fp32 ones (512 KiB of 4 bytes per k), the bf16 input gradient
+// ([G, K, N] weights) on the Zen 4 VM (2 threads, Dirichlet sizes, caches flushed, one process
+// alternating, 12 rounds, medians, ratio to dense; 2026-11-30), before -> after: G=8, M=1024,
+// K=14336, N=512 x2.23 / x2.30 -> x1.33 / x1.24; G=8, M=2048, K=4096, N=1024 x1.33 / x1.32 /
+// x1.23 -> x1.21 / x1.15 / x1.08; G=8, M=4096, K=3584, N=1024 x1.26 / x1.33 -> x1.13 / x1.15;
+// 2 and 4 MiB measured as 1 MiB; weight gradient G=8, M=4096, K=1024, N=2048 (K here: a group's ~512 rows)
+// x1.00 -> x0.96, M=8192, N=1024 x1.07 -> x1.02; G=64, M=2048, K=N=512 (240 rows both) level.
+int64_t fma_item_rows(Dt in, int64_t K, bool pairs) {
+  const int64_t bytes = (in == Dt::f64 ? 8 : pairs ? 2 : 4) * imax(K, 1);
+  return imax(kMR, imin(240, ((pairs ? 1024 : 512) * 1024 / bytes) / kMR * kMR));
 }
 
 constexpr int64_t kPartBytes = 256 * 1024;  // partial sums of one item's C block (L2)
@@ -1386,10 +1395,10 @@ constexpr int64_t kWideCols = 1024;          // widest block of B rows packed at
 // gemvt_item's sums (y) fit in the room fma_workspace keeps for the packed B.
 static_assert(kGemvRows * kGemvtCols + 64 <= kKC * kWideCols, "gemvt_item's sums fit in the FMA workspace");
 
-int64_t fma_workspace(Dt in, int64_t K) {
+int64_t fma_workspace(Dt in, int64_t K, bool pairs) {
   const int64_t s = in == Dt::f64 ? 8 : 4;
-  const int64_t rows = round_up(fma_item_rows(in, K), kMR);
-  const int64_t lda = s == 8 ? fma_lda<double>(K) : fma_lda<float>(K);
+  const int64_t rows = round_up(fma_item_rows(in, K, pairs), kMR), ku = pairs ? ceil_div(K, 2) : K;
+  const int64_t lda = s == 8 ? fma_lda<double>(ku) : fma_lda<float>(ku);
   const int64_t b = imax(kKC * kWideCols, imax(K, 1) * (256 / s));
   return (rows * lda + b + kWideCols) * s + kPartBytes + 5 * 64;
 }
@@ -1757,7 +1766,7 @@ int64_t max_item_rows(Isa isa, Dt in, const Task& task) {
   // into column slices only, so its weights are packed once per call. Measured here (2 threads,
   // G=8, M=4096, K=1024, N=2048, bf16, 20 alternating rounds): rows cut at 512 / 1024 / whole
   // groups, forward 15.9 / 15.6 / 13.8 ms, input gradient 16.8 / 17.6 / 14.2 ms.
-  return uses_amx(isa, in) ? kWholeGroup : fma_item_rows(in, k);
+  return uses_amx(isa, in) ? kWholeGroup : fma_item_rows(in, k, uses_pairs(isa, in));
 }
 
 bool whole_row_items(Isa isa, Dt in, const Task& task) {
@@ -1768,7 +1777,7 @@ int64_t workspace_bytes(Isa isa, Dt in, const Task& task) {
   const int64_t k = task.k;
   if (uses_amx(isa, in)) return amx_workspace(k);
   if (uses_swapped(isa, in, task)) return vbs_workspace(vbs_item_rows(k), k);
-  return fma_workspace(in, k);
+  return fma_workspace(in, k, uses_pairs(isa, in));
 }
 
 void thread_begin(Isa isa, Dt in) {
