@@ -260,9 +260,10 @@ def test_bf16_kernels_on_row_and_column_edges(level, K):
     masked) and 0. [G, K, N] (n-contiguous): row pairs interleaved in column order (K < 128) or
     within 128-bit lanes and restored at the store (K >= 128), K odd (the last pair has no second
     row). Groups of 5-49 rows (the swapped scheme's blocks of 4, 8 and 12 rows, the direct one's
-    of 6, and remainders) and one of 300 (cut into items of 128-256 rows), 1-45 columns (blocks of 8, 16, 32 and 64 columns, partial ones), within
-    one block of k and over it, with a bias and both output dtypes. Every row of W is followed by
-    a NaN in memory: a read past a row would put NaN into the output."""
+    of 6, and remainders) and one of 300 (cut into several items), 1-45 columns (blocks of 8, 16,
+    32 and 64 columns, partial ones), within one block of k and over it, with a bias and both
+    output dtypes. Every row of W is followed by a NaN in memory: a read past a row would put NaN
+    into the output."""
     gen = torch.Generator().manual_seed(K)
     sizes = [5, 6, 7, 8, 9, 12, 13, 16, 17, 20, 24, 25, 31, 33, 40, 49, 300]
     G, M = len(sizes), sum(sizes)

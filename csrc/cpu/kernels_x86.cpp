@@ -1383,8 +1383,9 @@ __attribute__((noinline)) void fma_rows(const Task& t, int64_t row0, int64_t col
 // alternating, 12 rounds, medians, ratio to dense; 2026-11-30), before -> after: G=8, M=1024,
 // K=14336, N=512 x2.23 / x2.30 -> x1.33 / x1.24; G=8, M=2048, K=4096, N=1024 x1.33 / x1.32 /
 // x1.23 -> x1.21 / x1.15 / x1.08; G=8, M=4096, K=3584, N=1024 x1.26 / x1.33 -> x1.13 / x1.15;
-// 2 and 4 MiB measured as 1 MiB; weight gradient G=8, M=4096, K=1024, N=2048 (K here: a group's ~512 rows)
-// x1.00 -> x0.96, M=8192, N=1024 x1.07 -> x1.02; G=64, M=2048, K=N=512 (240 rows both) level.
+// 2 and 4 MiB measured as 1 MiB; weight gradient G=8, M=4096, K=1024, N=2048 (K here: a group's
+// ~512 rows) x1.00 -> x0.96, M=8192, N=1024 x1.07 -> x1.02; G=64, M=2048, K=N=512 (240 rows
+// both) level.
 int64_t fma_item_rows(Dt in, int64_t K, bool pairs) {
   const int64_t bytes = (in == Dt::f64 ? 8 : pairs ? 2 : 4) * imax(K, 1);
   return imax(kMR, imin(240, ((pairs ? 1024 : 512) * 1024 / bytes) / kMR * kMR));
