@@ -1554,7 +1554,8 @@ void fma_item(const Task& t, const Item& it, void* ws) {
       // x1.81 / x1.83 / x1.91 -> x1.73 / x1.72 / x1.80 (Dirichlet sizes), x1.58 / x1.71 / x1.56 ->
       // x1.59 / x1.71 / x1.57 (equal); G=64, M=2048, K=N=512 x1.48 / x1.54 / x1.52 -> x1.46 / x1.53
       // / x1.48 (Dirichlet), x1.42 / x1.46 / x1.45 -> x1.36 / x1.38 / x1.40 (equal); weight
-      // gradients and G=8-128 model shapes level. Each line once (only the window's new part):
+      // gradients and G=8-128 model shapes level; fp32 (16 rounds) G=256 x1.49 -> x1.43
+      // (Dirichlet), x1.26 -> x1.30 (equal), G=64 x1.19 / x1.27 -> x1.15 / x1.23. Each line once (only the window's new part):
       // from 2% better to 6% worse; 4 slabs ahead whatever the rows: equal groups of 16 rows 2-6%
       // slower.
       // (Rows of B, not pairs: ke is the first row past this slab.)
