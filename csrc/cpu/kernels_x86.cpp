@@ -661,12 +661,15 @@ inline void amx_dispatch(int mt, int nt, const uint16_t* a0, const uint16_t* a1,
 }
 
 // Streaming (non-temporal) stores for a Task::stream output, where a store is a whole aligned
-// line: a 32-column bf16 row piece at (row0, col0) on every row, or 16 floats at p.
+// line: a 32-column bf16 row piece at (row0, col0) on every row, or 16 floats / 32 bf16 at p.
 inline bool stream_bf16_rows(const Task& t, const uint16_t* c, int64_t row0, int64_t col0, int64_t cols) {
   return t.stream && cols == 32 && ((uintptr_t)(c + row0 * t.c_sm + col0) & 63) == 0 && (t.c_sm & 31) == 0;
 }
 inline bool stream_f32x16(const Task& t, const void* p, int64_t cols_left) {
   return t.stream && cols_left >= 16 && t.c_sn == 1 && ((uintptr_t)p & 63) == 0;
+}
+inline bool stream_bf16x32(const Task& t, const void* p, int64_t cols_left) {
+  return t.stream && cols_left >= 32 && t.c_sn == 1 && ((uintptr_t)p & 63) == 0;
 }
 // One row piece of up to 32 bf16 (the columns in cm) at p: streamed (nt: all 32, line-aligned).
 inline void put_bf16x32(uint16_t* p, __m512i v, __mmask32 cm, bool nt) {
@@ -1304,7 +1307,7 @@ inline void fma_store(const Task& t, int64_t row0, int64_t col0, int64_t nc, __m
         const __m512 lo = _mm512_add_ps(acc[i][2 * h], _mm512_load_ps(bias + 32 * h));
         const __m512 hi = _mm512_add_ps(acc[i][2 * h + 1], _mm512_load_ps(bias + 32 * h + 16));
         uint16_t* p = (uint16_t*)crow + 32 * h;
-        put_bf16x32(p, f32_to_bf16x32_native(lo, hi), mask32(left), t.stream && left >= 32 && ((uintptr_t)p & 63) == 0);
+        put_bf16x32(p, f32_to_bf16x32_native(lo, hi), mask32(left), stream_bf16x32(t, p, left));
       }
       continue;
     }
@@ -1555,9 +1558,9 @@ void fma_item(const Task& t, const Item& it, void* ws) {
       // x1.59 / x1.71 / x1.57 (equal); G=64, M=2048, K=N=512 x1.48 / x1.54 / x1.52 -> x1.46 / x1.53
       // / x1.48 (Dirichlet), x1.42 / x1.46 / x1.45 -> x1.36 / x1.38 / x1.40 (equal); weight
       // gradients and G=8-128 model shapes level; fp32 (16 rounds) G=256 x1.49 -> x1.43
-      // (Dirichlet), x1.26 -> x1.30 (equal), G=64 x1.19 / x1.27 -> x1.15 / x1.23. Each line once (only the window's new part):
-      // from 2% better to 6% worse; 4 slabs ahead whatever the rows: equal groups of 16 rows 2-6%
-      // slower.
+      // (Dirichlet), x1.26 -> x1.30 (equal), G=64 x1.19 / x1.27 -> x1.15 / x1.23. Each line once
+      // (only the window's new part): from 2% better to 6% worse; 4 slabs ahead whatever the
+      // rows: equal groups of 16 rows 2-6% slower.
       // (Rows of B, not pairs: ke is the first row past this slab.)
       const int64_t ke = imin(K, (k0 + kc) * U), calls = nsub * ceil_div(rows, kMR);
       const bool ahead_ok = t.b_sn == 1 && (ke < K || it.m1 == t.m);
