@@ -259,13 +259,14 @@ def test_bf16_kernels_on_row_and_column_edges(level, K):
     schemes, with K % 4 of 1, 2 and 3 (the swapped scheme reads the last 4 k of a row of W
     masked) and 0. [G, K, N] (n-contiguous): row pairs interleaved in column order (K < 128) or
     within 128-bit lanes and restored at the store (K >= 128), K odd (the last pair has no second
-    row). Groups of 5-49 rows (the swapped scheme's blocks of 4, 8 and 12 rows, the direct one's
-    of 6, and remainders) and one of 300 (cut into several items), 1-45 columns (blocks of 8, 16,
+    row). Groups of 1-4 rows (the swapped scheme's one vector of 4 rows; the direct one's dot
+    products), of 5-49 rows (the swapped scheme's blocks of 4, 8 and 12 rows, the direct one's of
+    6, and remainders) and one of 300 (cut into several items), 1-45 columns (blocks of 8, 16,
     32 and 64 columns, partial ones), within one block of k and over it, with a bias and both
     output dtypes. Every row of W is followed by a NaN in memory: a read past a row would put NaN
     into the output."""
     gen = torch.Generator().manual_seed(K)
-    sizes = [5, 6, 7, 8, 9, 12, 13, 16, 17, 20, 24, 25, 31, 33, 40, 49, 300]
+    sizes = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 20, 24, 25, 31, 33, 40, 49, 300]
     G, M = len(sizes), sum(sizes)
     offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
     a = torch.randn(M, K, generator=gen).bfloat16()
@@ -317,6 +318,39 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
         check(outs[0], a, b, offs, bias, out_dtype, what=f"{isa} {dtype} {out_dtype}")
         for o in outs[1:]:
             assert torch.equal(o, outs[0])
+
+
+@pytest.mark.parametrize("row_bytes", [4096, 4096 + 64, 2048])
+def test_swapped_groups_of_up_to_four_rows_by_weight_row_stride(row_bytes):
+    """With the swapped bf16 scheme, groups of 1-4 rows run on its own kernel unless the rows of W
+    are a multiple of 4 KiB apart (they would share L1 sets): then on the dot products, as the
+    direct scheme runs them, bit for bit. Next to larger groups, a bias, both output dtypes,
+    against the oracle, and bitwise identical for any thread count."""
+    if not has_level("avx512_bf16_swapped"):
+        pytest.skip(f"this CPU has no avx512_bf16 (best: {torch.ops.moe_cpu.machine()})")
+    gen = torch.Generator().manual_seed(row_bytes)
+    G, N, K = 7, 24, 2048 if row_bytes != 2048 else 1000
+    offs = torch.tensor([1, 3, 3, 7, 11, 20, 22], dtype=torch.int32)  # 1, 2, 0, 4, 4, 9 and 2 rows
+    a = torch.randn(24, K, generator=gen).bfloat16()
+    w = torch.randn(G, N, row_bytes // 2, generator=gen).bfloat16()[:, :, :K]
+    b = w.transpose(1, 2)
+    bias = torch.randn(G, N, generator=gen).bfloat16()
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    tiny = torch.repeat_interleave(sizes <= 4, sizes)
+    for out_dtype in (None, torch.float32):
+        outs = []
+        for threads in (1, 2, 3):
+            with num_threads(threads):
+                outs.append(run((a, b, offs, bias, out_dtype), "avx512_bf16_swapped"))
+        check(outs[0], a, b, offs, bias, out_dtype, what=f"rows of W {row_bytes} B apart, out {out_dtype}")
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
+        direct = run((a, b, offs, bias, out_dtype), "avx512_bf16")
+        same = torch.equal(outs[0][:22][tiny], direct[:22][tiny])
+        if row_bytes % 4096 == 0:
+            assert same, f"rows of W {row_bytes} B apart, out {out_dtype}: not the dot products"
+        elif out_dtype == torch.float32:  # (rounded to bf16, the two kernels' sums can agree)
+            assert not same, f"rows of W {row_bytes} B apart: the dot products"
 
 
 @pytest.mark.parametrize("weights,K", [("[G,N,K]", 4100), ("[G,K,N]", 300)])

@@ -15,8 +15,9 @@
 // (amx_item_panels). With AVX512-BF16 on CPUs that split 512-bit operations in two
 // (Task::bf16_swapped), bf16 with k-contiguous operands takes vbs_item instead: C^T = W @ A^T with
 // rows of A in 256-bit lanes and the weights read in place (see "VB, swapped"). Groups of one to
-// four rows (decode) take gemv_item (dot products along k,
-// k-contiguous weights) or gemvt_item (rows of W streamed, n-contiguous weights) instead. Every
+// four rows (decode) take gemv_item (dot products along k, k-contiguous weights; with the swapped
+// scheme only where rows of W are a multiple of 4 KiB apart, see vbs_task) or gemvt_item (rows
+// of W streamed, n-contiguous weights) instead. Every
 // element of C in the item is written, so the output never needs a zero fill; k == 0 gives the
 // bias or zeros.
 //
@@ -289,7 +290,8 @@ void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* ds
 // this kernel would take), but at Mixtral's K = 4096, N = 14336 it read 22 GB/s against 27 GB/s
 // here (10.5 -> 8.5 ms; rows of W of 8 KiB make long streams). Chosen by the group's size and K,
 // never the item's, so that a group's summation order does not depend on how the call was cut
-// into items.
+// into items. bf16 with the swapped VDPBF16PS scheme (AMD Zen 4) takes this only where the rows of
+// W are a multiple of 4 KiB apart (see vbs_task).
 constexpr int64_t kGemvRows = 4;
 constexpr int64_t kGemvAmxMinK = 4096;  // see amx_item
 
@@ -1717,7 +1719,22 @@ int64_t vbs_vectors(int64_t left) {
   return v == 4 || v == 2 ? 2 : imin(3, v);
 }
 
-bool vbs_task(const Task& t) { return t.b_sk == 1 && t.b_sn != 1 && t.a_sk == 1 && t.m > kGemvRows; }
+// Groups of 1-4 rows (decode) take this scheme too, one vector of 4 rows by 16 rows of W, unless
+// the rows of W are a multiple of 4 KiB apart (K = 2048, 4096, ...): the 16 rows read side by
+// side then fall into the same L1 set (8 ways) and evict each other, and gemv_item (4 rows side by
+// side) reads faster. Measured on the Zen 4 VM (2 threads, bf16, one process alternating,
+// 2026-12-01), gemv_item -> this: every group of G=256, K=512, N=256 read, groups of 1 / 4 rows
+// 3.99 / 5.04 -> 2.60 / 2.68 ms (17 -> 26 GB/s of weights); G=64, K=1024, N=1024 6.98 / 9.47 ->
+// 4.33 / 4.99 ms; the G=256 forward (Dirichlet sizes, a fifth of the groups of 1-4 rows)
+// 4.59 -> 3.98 ms, G=64 3.63 -> 3.44 ms, DeepSeek-V3 /16 2.50 -> 2.23 ms, Qwen3-30B-A3B /4 3.22 ->
+// 3.08 ms; decode (benchmarks/decode.py's [G, N, K] cases, 1 / 4 tokens) GPT-OSS-20B 2.74 / 9.53
+// -> 2.25 / 7.66 ms, DeepSeek-V3 /4 0.75 / 2.40 -> 0.62 / 1.92 ms. At K = 2048 / 4096 (4 / 8 KiB
+// rows) it was 30-48% slower (OLMoE, Qwen3-30B-A3B, Mixtral decode) and with every row of W
+// padded by 64 bytes level or faster: so those keep gemv_item.
+bool vbs_task(const Task& t) {
+  if (t.b_sk != 1 || t.b_sn == 1 || t.a_sk != 1) return false;
+  return t.m > kGemvRows || (t.b_sn * 2) % 4096 != 0;
+}
 
 // Rows of a vbs_item: the packed rows of one k block (kVbsKC quads) within 256 KiB of L2, 16 to
 // 256 rows (128 from K = 1024). Each item reads its group's weights once, so FMA-sized items (A
