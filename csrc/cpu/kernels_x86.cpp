@@ -36,8 +36,10 @@
 #if defined(__x86_64__) || defined(_M_X64)
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
-// The intrinsics headers use _mm512_undefined_* on purpose; GCC 12 warns about them here.
+// The intrinsics headers use _mm512_undefined_* on purpose; GCC 12 warns about them here
+// (_mm512_reduce_add_ps's, inlined into gemv_block, as -Wuninitialized).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -294,6 +296,16 @@ void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* ds
 // W are a multiple of 4 KiB apart (see vbs_task).
 constexpr int64_t kGemvRows = 4;
 constexpr int64_t kGemvAmxMinK = 4096;  // see amx_item
+// Rows of W ahead (the next block of four) that gemv_block prefetches into L2, one line per line
+// it reads. Without it every row of K >= 2048 bf16 starts a fresh 4 KiB page that the hardware
+// prefetchers do not enter. Measured on the Zen 4 VM (benchmarks/decode.py's [G, N, K] cases, 2
+// threads, one process alternating, 15 rounds, 2026-12-01), without -> with: bf16 OLMoE-1B-7B
+// 1.16 / 1.25 -> 0.77 / 1.01 ms, Qwen3-30B-A3B 0.98 / 0.88 -> 0.58 / 0.57 ms, Mixtral 7.76 / 7.58
+// -> 6.98 / 7.14 ms; fp32 Qwen3-30B-A3B 1.55 -> 1.40 ms, DeepSeek-V3 /4 1.01 -> 0.83 ms, the rest
+// level; fp32 prefill with every group of G=256, K=512, N=256 read, groups of 1 / 4 rows 5.61 /
+// 7.62 -> 4.47 / 4.29 ms, the G=256 forward 9.08 -> 8.63 ms. 8 or 16 rows ahead measured
+// the same.
+constexpr int64_t kGemvAheadRows = 4;
 
 template <Dt D, Dt O, int R, int NJ>
 inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t n, const float* bias) {
@@ -308,6 +320,10 @@ inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t l
   }
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 km = mask16(K - k);
+    if (((k * (int64_t)sizeof(T)) & 63) == 0) {  // the next block's rows (a prefetch never faults)
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) _mm_prefetch((const char*)(w + (j + kGemvAheadRows) * t.b_sn + k), _MM_HINT_T1);
+    }
     __m512 wv[NJ];
 #pragma GCC unroll 4
     for (int j = 0; j < NJ; ++j) wv[j] = load16_f32<D>(w + j * t.b_sn + k, km);
@@ -371,7 +387,7 @@ void gemv_item(const Task& t, const Item& it, void* ws) {
 // forward's [G, N, K] weights, or models that keep their experts [G, K, N]): C[m, :] = sum over k
 // of A[m, k] * W[k, :]. Rows of W are read in memory order, four side by side, across all of the
 // item's columns (up to kGemvtCols at a time), scaled by A[m, k] and added into fp32 sums of the
-// item's rows kept in L1/L2 (y), while the rows kGemvtAheadRows further on are prefetched; such a
+// item's rows kept in L1/L2 (y), while rows further on are prefetched (kGemvtAheadBytes); such a
 // task is cut into as few column pieces as the threads need (whole_row_items), so that an item
 // reads whole rows, i.e. its expert's matrix front to back. Each output element is summed over k
 // in order, as in the blocked FMA kernel (the results are the same bit for bit); bf16 with AMX
@@ -394,6 +410,19 @@ constexpr int64_t kGemvtAheadRows = 4;
 // ms (torch._grouped_mm 14.7), bf16 8.3 / 7.9; fp32 Qwen3-30B-A3B (3 KiB) 1.63 / 1.83, GPT-OSS
 // (11 KiB) 4.1 / 4.3, bf16 0.85 / 1.43 and 1.9 / 2.6 ms.
 constexpr int64_t kGemvtPrefetchBelow = 16 * 1024;
+// Those prefetches go to L2 (T1), at least kGemvtAheadRows and kGemvtAheadBytes ahead. Into L1
+// (T0) and 4 rows ahead, as first written, one core read 8.5 GB/s here (perf: the samples on the
+// loads of W), and the distance made no difference. Measured on the Zen 4 VM (2 threads, one
+// process alternating, 2026-12-01), T0 4 rows -> T1 16 KiB: decode ([G, K, N] weights, 1 / 4
+// tokens) bf16 OLMoE-1B-7B 1.40 / 4.66 -> 0.83 / 3.54 ms, Qwen3-30B-A3B 1.13 / 3.86 -> 0.61 /
+// 2.83 ms, DeepSeek-V3 /4 0.70 / 2.92 -> 0.31 / 1.45 ms, GPT-OSS-20B 2.29 / 8.02 -> 1.95 / 7.14 ms;
+// fp32 the same four 2.22 / 1.95 / 1.28 / 4.42 -> 1.90 / 1.59 / 0.97 / 3.94 ms; prefill with
+// every group of G=256, K=512, N=256 read, groups of 1 / 4 rows: bf16 3.59 / 3.96 -> 2.22 / 2.55
+// ms, fp32 6.42 / 7.19 -> 4.49 / 4.66 ms; the G=256 input gradient (a fifth of its
+// groups of 1-4 rows) bf16 4.76 -> 4.64 ms, fp32 8.65 -> 8.29 ms. T1 at 4 rows (2 KiB here) /
+// 16 KiB / 32 KiB / 64 KiB: within 10% of each other, 16 KiB the best overall. The rows past the
+// threshold above with these prefetches: bf16 Mixtral 5.68 -> 5.18 ms, fp32 14.13 -> 15.04 ms.
+constexpr int64_t kGemvtAheadBytes = 16 * 1024;
 
 bool gemvt_task(const Task& t) { return t.b_sn == 1 && t.b_sk != 1 && t.m <= kGemvRows; }
 
@@ -412,11 +441,12 @@ inline void gemvt_rows_into(const Task& t, const float* ap, int64_t lda, const t
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) av[q][r] = _mm512_set1_ps(ap[r * lda + k0 + q]);
   }
-  const char* ahead = (const char*)(b + (k0 + KB + kGemvtAheadRows) * t.b_sk);  // a prefetch never faults
+  const int64_t ahead_rows = imax(kGemvtAheadRows, kGemvtAheadBytes / imax(nc * (int64_t)sizeof(T), 1));
+  const char* ahead = (const char*)(b + (k0 + KB + ahead_rows) * t.b_sk);  // a prefetch never faults
   for (int64_t j = 0; j < nv; ++j) {
     if (prefetch && (j * 16 * (int64_t)sizeof(T)) % 64 == 0) {
 #pragma GCC unroll 4
-      for (int q = 0; q < KB; ++q) _mm_prefetch(ahead + q * t.b_sk * (int64_t)sizeof(T) + j * 16 * sizeof(T), _MM_HINT_T0);
+      for (int q = 0; q < KB; ++q) _mm_prefetch(ahead + q * t.b_sk * (int64_t)sizeof(T) + j * 16 * sizeof(T), _MM_HINT_T1);
     }
     const __mmask16 cm = mask16(nc - 16 * j);
     __m512 bv[KB];
