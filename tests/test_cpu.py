@@ -97,6 +97,18 @@ def check_by_reference(out, a, b, offs, bias, out_dtype, what=""):
     assert_close(out, ref64, ref_same, mag, what=what)
 
 
+def run_any_threads(case_or_args, level="amx"):
+    """run() on 1, 2 and 3 threads; the results must be bitwise identical (no split-K: each output
+    element has one summation order, whatever the cut into items). Returns the first."""
+    outs = []
+    for threads in (1, 2, 3):
+        with num_threads(threads):
+            outs.append(run(case_or_args, level))
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    return outs[0]
+
+
 @contextlib.contextmanager
 def num_threads(n: int):
     """torch's intra-op thread count set to n for the block, restored after."""
@@ -243,13 +255,7 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
     offs = torch.cumsum(sizes, 0).clamp(max=M).to(torch.int32)
     a = torch.randn(M, K, generator=gen).bfloat16()
     b = torch.randn(G, N, K, generator=gen).bfloat16().transpose(1, 2)
-    outs = []
-    for threads in (1, 2, 3):
-        with num_threads(threads):
-            outs.append(run((a, b, offs, None, None), isa))
-    check(outs[0], a, b, offs, None, None, what=isa)
-    for o in outs[1:]:
-        assert torch.equal(o, outs[0])  # no split-K: each output element has one summation order
+    check(run_any_threads((a, b, offs, None, None), isa), a, b, offs, None, None, what=isa)
 
 
 @pytest.mark.parametrize("K", [1, 31, 127, 128, 257, 515, 1030])
@@ -311,13 +317,8 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     isas = ["amx"] if dtype != torch.bfloat16 else [i for i in ("avx512", "avx512_bf16", "avx512_bf16_swapped")
                                                       if has_level(i)]
     for isa in isas:
-        outs = []
-        for threads in (1, 2, 3):
-            with num_threads(threads):
-                outs.append(run((a, b, offs, bias, out_dtype), isa))
-        check(outs[0], a, b, offs, bias, out_dtype, what=f"{isa} {dtype} {out_dtype}")
-        for o in outs[1:]:
-            assert torch.equal(o, outs[0])
+        out = run_any_threads((a, b, offs, bias, out_dtype), isa)
+        check(out, a, b, offs, bias, out_dtype, what=f"{isa} {dtype} {out_dtype}")
 
 
 @pytest.mark.parametrize("row_bytes", [4096, 4096 + 64, 2048])
@@ -338,15 +339,10 @@ def test_swapped_groups_of_up_to_four_rows_by_weight_row_stride(row_bytes):
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     tiny = torch.repeat_interleave(sizes <= 4, sizes)
     for out_dtype in (None, torch.float32):
-        outs = []
-        for threads in (1, 2, 3):
-            with num_threads(threads):
-                outs.append(run((a, b, offs, bias, out_dtype), "avx512_bf16_swapped"))
-        check(outs[0], a, b, offs, bias, out_dtype, what=f"rows of W {row_bytes} B apart, out {out_dtype}")
-        for o in outs[1:]:
-            assert torch.equal(o, outs[0])
+        out = run_any_threads((a, b, offs, bias, out_dtype), "avx512_bf16_swapped")
+        check(out, a, b, offs, bias, out_dtype, what=f"rows of W {row_bytes} B apart, out {out_dtype}")
         direct = run((a, b, offs, bias, out_dtype), "avx512_bf16")
-        same = torch.equal(outs[0][:22][tiny], direct[:22][tiny])
+        same = torch.equal(out[:22][tiny], direct[:22][tiny])
         if row_bytes % 4096 == 0:
             assert same, f"rows of W {row_bytes} B apart, out {out_dtype}: not the dot products"
         elif out_dtype == torch.float32:  # (rounded to bf16, the two kernels' sums can agree)
@@ -371,13 +367,8 @@ def test_amx_groups_of_up_to_four_rows_take_the_decode_kernels(weights, K):
         b = torch.randn(G, K, N, generator=gen).bfloat16()
     bias = torch.randn(G, N, generator=gen).bfloat16()
     for out_dtype in (None, torch.float32):
-        outs = []
-        for threads in (1, 2, 3):
-            with num_threads(threads):
-                outs.append(run((a, b, offs, bias, out_dtype), "amx"))
-        check_by_reference(outs[0], a, b, offs, bias, out_dtype, what=f"bf16 {out_dtype}")
-        for o in outs[1:]:
-            assert torch.equal(o, outs[0])
+        out = run_any_threads((a, b, offs, bias, out_dtype), "amx")
+        check_by_reference(out, a, b, offs, bias, out_dtype, what=f"bf16 {out_dtype}")
 
 
 @pytest.mark.parametrize("isa", machine_levels())
