@@ -1063,6 +1063,62 @@ inline void fma_kernel(const typename VT::S* a, int64_t lda, const typename VT::
   }
 }
 
+// A VB panel of n-contiguous B (64 columns, one k slab) in the column order of pair_unpack,
+// built by the first row block of the panel from B's rows as it multiplies, and stored for the
+// row blocks after it (`keep`; nullptr where there are none). Each k step reads 32 columns of
+// rows 2p and 2p + 1 in memory order and interleaves them with one VPUNPCKLWD and one
+// VPUNPCKHWD, which work within 128-bit lanes, so that the first word vector holds columns 0-3,
+// 8-11, 16-19, 24-27 and the second 4-7, 12-15, 20-23, 28-31 (fma_rows restores the order once
+// per output row piece). Until 2026-12-01 a packing pass built the whole slab before the first
+// block (perf, one thread, G=256 input gradient with the weights in cache: 19% of the kernel's
+// samples); now that work runs beside the first block's VDPBF16PS. Measured on the Zen 4 VM
+// (bf16 input gradient, [G, K, N] weights, 2 threads, one process alternating, caches flushed,
+// 10-12 rounds, medians), pass -> here: G=256, M=4096, K=512, N=256 4.65 -> 4.38 ms (Dirichlet
+// sizes), 4.64 -> 4.12 ms (equal groups of 16 rows), 4.53 -> 4.27 ms (x1.62 -> x1.53); G=64,
+// M=2048, K=N=512 3.85 -> 3.69, 3.74 -> 3.60 (groups of 32), 4.00 -> 3.88 ms; G=8, M=4096,
+// K=1024, N=2048 44.7 -> 43.7 ms; the model shapes 3-9% faster (Qwen3-30B-A3B /4 3.07 -> 2.80
+// ms, DeepSeek-V3 /16 2.52 -> 2.30 ms); weight gradients level (G=8, whose K of a group's ~512
+// rows takes this path too).
+struct RawPanel {
+  const uint16_t* lo;  // row k of the slab's first pair, at the panel's first column
+  int64_t sk;          // elements between rows of B
+  int64_t k_left;      // rows of B from lo to the end of K
+  __mmask32 m0, m1;    // columns 0-31 and 32-63 of the panel that exist
+  float* keep;
+};
+
+template <int R>
+inline void vb_raw_kernel(const float* a, int64_t lda, const RawPanel& raw, int64_t kc, __m512 (&acc)[kMR][4],
+                          const char* pf, int64_t pf_lines) {
+  const uint16_t* r = raw.lo;
+  for (int64_t k = 0; k < kc; ++k, r += 2 * raw.sk) {
+    for (int64_t l = k; l < pf_lines; l += kc) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+    const __m512i l0 = masked_load_epi16x32(raw.m0, r), l1 = masked_load_epi16x32(raw.m1, r + 32);
+    __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
+    if (2 * k + 1 < raw.k_left) {  // (the last row of an odd K has no pair)
+      h0 = masked_load_epi16x32(raw.m0, r + raw.sk);
+      h1 = masked_load_epi16x32(raw.m1, r + raw.sk + 32);
+    }
+    const __m512 b0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l0, h0)), b1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l0, h0));
+    const __m512 b2 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l1, h1)), b3 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l1, h1));
+    if (raw.keep) {
+      float* d = raw.keep + k * 64;
+      _mm512_store_ps(d, b0);
+      _mm512_store_ps(d + 16, b1);
+      _mm512_store_ps(d + 32, b2);
+      _mm512_store_ps(d + 48, b3);
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      const __m512 av = VB::bcast(a + i * lda + k);
+      acc[i][0] = VB::fma(av, b0, acc[i][0]);
+      acc[i][1] = VB::fma(av, b1, acc[i][1]);
+      acc[i][2] = VB::fma(av, b2, acc[i][2]);
+      acc[i][3] = VB::fma(av, b3, acc[i][3]);
+    }
+  }
+}
+
 // Row stride of packed A: K rounded up to a vector, plus one cache line so that consecutive
 // rows do not share L1 sets.
 template <typename S>
@@ -1252,31 +1308,6 @@ void pair_pack_b(const Task& t, int64_t p0, int64_t pc, int64_t n0, int64_t nc, 
   }
 }
 
-// Pairs [p0, p0 + pc) of B with contiguous rows, columns [n0, n0 + wc), into 64-column panels
-// [wc / 64][pc][64] in the column order of pair_unpack: two rows at a time, read in memory
-// order, 32 columns of a row pair interleaved by one VPUNPCKLWD and one VPUNPCKHWD, which work
-// within 128-bit lanes, so the first word vector holds columns 0-3, 8-11, 16-19, 24-27 and the
-// second 4-7, 12-15, 20-23, 28-31 (fma_rows restores the order once per output row piece).
-void pair_pack_b_rows_perm(const Task& t, int64_t p0, int64_t pc, int64_t n0, int64_t wc, float* dst) {
-  const int64_t nsub = ceil_div(wc, 64), K = t.k;
-  for (int64_t p = 0; p < pc; ++p) {
-    const int64_t k = 2 * (p0 + p);
-    const uint16_t* lo = (const uint16_t*)t.b + k * t.b_sk + n0;
-    const uint16_t* hi = lo + t.b_sk;
-    for (int64_t sb = 0; sb < nsub; ++sb) {
-      float* d = dst + (sb * pc + p) * 64;
-      for (int64_t j = 0; j < 64; j += 32) {
-        const int64_t c = sb * 64 + j;
-        const __mmask32 m = c < wc ? mask32(wc - c) : 0;
-        const __m512i l = masked_load_epi16x32(m, lo + c);
-        const __m512i h = k + 1 < K ? masked_load_epi16x32(m, hi + c) : _mm512_setzero_si512();
-        _mm512_store_si512(d + j, _mm512_unpacklo_epi16(l, h));
-        _mm512_store_si512(d + j + 16, _mm512_unpackhi_epi16(l, h));
-      }
-    }
-  }
-}
-
 // Measured on the Zen 4 VM (2 threads, bf16 input gradient, [G, K, N] weights, the two packings
 // alternating call by call in one process, 20 rounds, medians, ratio to one dense torch.mm):
 // G=64, M=2048, K=N=512 x1.17 -> x1.08 with one weight matrix shared by all groups (the compute
@@ -1288,7 +1319,7 @@ void pair_pack_b_rows_perm(const Task& t, int64_t p0, int64_t pc, int64_t n0, in
 // the G=256 forward 8-15% slower.)
 constexpr int64_t kPermMinK = 128;
 
-// The accumulators of a pair_pack_b_rows_perm panel back in column order, 32 columns at a time.
+// The accumulators of a RawPanel (pair_unpack order) back in column order, 32 columns at a time.
 inline void pair_unpack(__m512& v0, __m512& v1) {
   // natural column c of 32: 128-bit lane c / 8 of the source, word c % 8 < 4 from v0, else v1
   const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -1383,14 +1414,19 @@ inline void fma_store(const Task& t, int64_t row0, int64_t col0, int64_t nc, __m
 template <class VT, Dt O, int R>
 __attribute__((noinline)) void fma_rows(const Task& t, int64_t row0, int64_t col0, int64_t nc, const typename VT::S* a, int64_t lda,
                      const typename VT::S* b, int64_t kc, bool first, bool last, typename VT::S* part,
-                     const typename VT::S* bias, const char* pf, int64_t pf_lines, bool perm) {
+                     const typename VT::S* bias, const char* pf, int64_t pf_lines, bool perm, const RawPanel* raw) {
   constexpr int64_t NR = 4 * VT::L;
   typename VT::V acc[kMR][4];
 #pragma GCC unroll 6
   for (int i = 0; i < R; ++i) {
     for (int j = 0; j < 4; ++j) acc[i][j] = first ? VT::zero() : VT::load(part + i * NR + j * VT::L);
   }
-  fma_kernel<VT, R>(a, lda, b, kc, acc, pf, pf_lines);
+  if constexpr (VT::kPairs) {
+    if (raw) vb_raw_kernel<R>(a, lda, *raw, kc, acc, pf, pf_lines);
+    else fma_kernel<VT, R>(a, lda, b, kc, acc, pf, pf_lines);
+  } else {
+    fma_kernel<VT, R>(a, lda, b, kc, acc, pf, pf_lines);
+  }
   if (last) {
     if constexpr (VT::kPairs) {
       if (perm) {
@@ -1520,22 +1556,22 @@ void fma_item(const Task& t, const Item& it, void* ws) {
     else fma_pack_b_into<D>(t, k0, kc, n0, nc, dst);
   };
 
-  // VB with n-contiguous B: its panels in pair_pack_b_rows_perm's order (half the packing
-  // instructions; the order restored once per output row piece) where the sums are long enough
-  // to repay that (kPermMinK).
+  // VB with n-contiguous B: its panels in pair_unpack's order, built by their first row block
+  // (RawPanel; half the packing instructions of column order, which is restored once per output
+  // row piece) where the sums are long enough to repay that (kPermMinK).
   const bool perm = VT::kPairs && t.b_sn == 1 && K >= kPermMinK;
   auto rows_block = [&](int64_t mb, int64_t col0, int64_t nc, const S* b, int64_t k0, int64_t kc, S* pb,
-                        const S* bias_blk, PfRun pf) {
+                        const S* bias_blk, PfRun pf, const RawPanel* raw = nullptr) {
     const S* a = ap + mb * lda + k0;
     const bool first = k0 == 0, last = k0 + kKC >= KU;
     const int64_t row0 = it.m0 + mb;
     switch (imin(kMR, rows - mb)) {
-      case 6: fma_rows<VT, O, 6>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm); break;
-      case 5: fma_rows<VT, O, 5>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm); break;
-      case 4: fma_rows<VT, O, 4>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm); break;
-      case 3: fma_rows<VT, O, 3>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm); break;
-      case 2: fma_rows<VT, O, 2>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm); break;
-      default: fma_rows<VT, O, 1>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm); break;
+      case 6: fma_rows<VT, O, 6>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm, raw); break;
+      case 5: fma_rows<VT, O, 5>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm, raw); break;
+      case 4: fma_rows<VT, O, 4>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm, raw); break;
+      case 3: fma_rows<VT, O, 3>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm, raw); break;
+      case 2: fma_rows<VT, O, 2>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm, raw); break;
+      default: fma_rows<VT, O, 1>(t, row0, col0, nc, a, lda, b, kc, first, last, pb, bias_blk, pf.first, pf.lines, perm, raw); break;
     }
   };
 
@@ -1567,8 +1603,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
       const int64_t kc = imin(kKC, KU - k0);
       if (t.b_sn == 1) {
         if constexpr (VT::kPairs) {
-          if (perm) pair_pack_b_rows_perm(t, k0, kc, it.n0 + nw, wc, bp);
-          else pair_pack_b_rows(t, k0, kc, it.n0 + nw, wc, bp);
+          if (!perm) pair_pack_b_rows(t, k0, kc, it.n0 + nw, wc, bp);  // (perm: see RawPanel)
         }
         else fma_pack_b_rows<D>(t, k0, kc, it.n0 + nw, wc, bp);
       } else {
@@ -1612,9 +1647,14 @@ void fma_item(const Task& t, const Item& it, void* ws) {
       }();
       for (int64_t sb = 0; sb < nsub; ++sb) {
         const int64_t col0 = it.n0 + nw + sb * NR, nc = imin(NR, wc - sb * NR);
+        RawPanel raw;
+        if (perm) {
+          raw = {(const uint16_t*)t.b + 2 * k0 * t.b_sk + col0, t.b_sk, K - 2 * k0, mask32(nc),
+                 nc > 32 ? mask32(nc - 32) : (__mmask32)0, rows > kMR ? (float*)(bp + sb * kc * NR) : nullptr};
+        }
         for (int64_t mb = 0; mb < rows; mb += kMR) {
           rows_block(mb, col0, nc, bp + sb * kc * NR, k0, kc, part + (mb * nsub + sb * kMR) * NR, bias + sb * NR,
-                     ahead.take());
+                     ahead.take(), perm && mb == 0 ? &raw : nullptr);
         }
       }
     }
