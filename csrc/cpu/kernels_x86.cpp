@@ -1079,25 +1079,31 @@ inline void fma_kernel(const typename VT::S* a, int64_t lda, const typename VT::
 // K=1024, N=2048 44.7 -> 43.7 ms; the model shapes 3-9% faster (Qwen3-30B-A3B /4 3.07 -> 2.80
 // ms, DeepSeek-V3 /16 2.52 -> 2.30 ms); weight gradients level (G=8, whose K of a group's ~512
 // rows takes this path too).
+// fp32 B (VF) takes the same route, its panels being plain copies of 64 columns of its rows
+// (fma_pack_b_rows' layout); measured the same way, pass -> here: G=256 input gradient 9.14 ->
+// 8.75 ms (Dirichlet), 9.49 -> 9.00 ms (groups of 16), 8.81 -> 8.28 ms; G=64 7.69 -> 7.53, 7.13 ->
+// 6.74 (groups of 32), 7.47 -> 7.22 ms; Qwen3-30B-A3B /4 5.46 -> 5.19 ms, DeepSeek-V3 /16 4.26 ->
+// 4.07 ms; G=8 (MKL's path) and the weight gradients level.
 struct RawPanel {
-  const uint16_t* lo;  // row k of the slab's first pair, at the panel's first column
-  int64_t sk;          // elements between rows of B
-  int64_t k_left;      // rows of B from lo to the end of K
-  __mmask32 m0, m1;    // columns 0-31 and 32-63 of the panel that exist
+  const void* lo;  // row k of the slab's first k (pair), at the panel's first column
+  int64_t sk;      // elements between rows of B
+  int64_t k_left;  // rows of B from lo to the end of K
+  int64_t cols;    // columns of the panel that exist, 1-64
   float* keep;
 };
 
 template <int R>
 inline void vb_raw_kernel(const float* a, int64_t lda, const RawPanel& raw, int64_t kc, __m512 (&acc)[kMR][4],
                           const char* pf, int64_t pf_lines) {
-  const uint16_t* r = raw.lo;
+  const __mmask32 m0 = mask32(raw.cols), m1 = raw.cols > 32 ? mask32(raw.cols - 32) : 0;
+  const uint16_t* r = (const uint16_t*)raw.lo;
   for (int64_t k = 0; k < kc; ++k, r += 2 * raw.sk) {
     for (int64_t l = k; l < pf_lines; l += kc) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
-    const __m512i l0 = masked_load_epi16x32(raw.m0, r), l1 = masked_load_epi16x32(raw.m1, r + 32);
+    const __m512i l0 = masked_load_epi16x32(m0, r), l1 = masked_load_epi16x32(m1, r + 32);
     __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
     if (2 * k + 1 < raw.k_left) {  // (the last row of an odd K has no pair)
-      h0 = masked_load_epi16x32(raw.m0, r + raw.sk);
-      h1 = masked_load_epi16x32(raw.m1, r + raw.sk + 32);
+      h0 = masked_load_epi16x32(m0, r + raw.sk);
+      h1 = masked_load_epi16x32(m1, r + raw.sk + 32);
     }
     const __m512 b0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l0, h0)), b1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l0, h0));
     const __m512 b2 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l1, h1)), b3 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l1, h1));
@@ -1115,6 +1121,34 @@ inline void vb_raw_kernel(const float* a, int64_t lda, const RawPanel& raw, int6
       acc[i][1] = VB::fma(av, b1, acc[i][1]);
       acc[i][2] = VB::fma(av, b2, acc[i][2]);
       acc[i][3] = VB::fma(av, b3, acc[i][3]);
+    }
+  }
+}
+
+template <int R>
+inline void vf_raw_kernel(const float* a, int64_t lda, const RawPanel& raw, int64_t kc, __m512 (&acc)[kMR][4],
+                          const char* pf, int64_t pf_lines) {
+  __mmask16 m[4];
+  for (int j = 0; j < 4; ++j) m[j] = raw.cols > 16 * j ? mask16(raw.cols - 16 * j) : 0;
+  const float* r = (const float*)raw.lo;
+  for (int64_t k = 0; k < kc; ++k, r += raw.sk) {
+    for (int64_t l = k; l < pf_lines; l += kc) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+    const __m512 b0 = masked_load_ps(m[0], r), b1 = masked_load_ps(m[1], r + 16), b2 = masked_load_ps(m[2], r + 32),
+                 b3 = masked_load_ps(m[3], r + 48);
+    if (raw.keep) {
+      float* d = raw.keep + k * 64;
+      _mm512_store_ps(d, b0);
+      _mm512_store_ps(d + 16, b1);
+      _mm512_store_ps(d + 32, b2);
+      _mm512_store_ps(d + 48, b3);
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
+      acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(av, b2, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(av, b3, acc[i][3]);
     }
   }
 }
@@ -1424,6 +1458,9 @@ __attribute__((noinline)) void fma_rows(const Task& t, int64_t row0, int64_t col
   if constexpr (VT::kPairs) {
     if (raw) vb_raw_kernel<R>(a, lda, *raw, kc, acc, pf, pf_lines);
     else fma_kernel<VT, R>(a, lda, b, kc, acc, pf, pf_lines);
+  } else if constexpr (sizeof(typename VT::S) == 4) {
+    if (raw) vf_raw_kernel<R>(a, lda, *raw, kc, acc, pf, pf_lines);
+    else fma_kernel<VT, R>(a, lda, b, kc, acc, pf, pf_lines);
   } else {
     fma_kernel<VT, R>(a, lda, b, kc, acc, pf, pf_lines);
   }
@@ -1560,6 +1597,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
   // (RawPanel; half the packing instructions of column order, which is restored once per output
   // row piece) where the sums are long enough to repay that (kPermMinK).
   const bool perm = VT::kPairs && t.b_sn == 1 && K >= kPermMinK;
+  const bool raw_f32 = !VT::kPairs && D == Dt::f32 && t.b_sn == 1;  // (see RawPanel)
   auto rows_block = [&](int64_t mb, int64_t col0, int64_t nc, const S* b, int64_t k0, int64_t kc, S* pb,
                         const S* bias_blk, PfRun pf, const RawPanel* raw = nullptr) {
     const S* a = ap + mb * lda + k0;
@@ -1605,7 +1643,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
         if constexpr (VT::kPairs) {
           if (!perm) pair_pack_b_rows(t, k0, kc, it.n0 + nw, wc, bp);  // (perm: see RawPanel)
         }
-        else fma_pack_b_rows<D>(t, k0, kc, it.n0 + nw, wc, bp);
+        else if (!raw_f32) fma_pack_b_rows<D>(t, k0, kc, it.n0 + nw, wc, bp);
       } else {
         for (int64_t sb = 0; sb < nsub; ++sb) pack_b(k0, kc, it.n0 + nw + sb * NR, imin(NR, wc - sb * NR), bp + sb * kc * NR);
       }
@@ -1647,14 +1685,12 @@ void fma_item(const Task& t, const Item& it, void* ws) {
       }();
       for (int64_t sb = 0; sb < nsub; ++sb) {
         const int64_t col0 = it.n0 + nw + sb * NR, nc = imin(NR, wc - sb * NR);
-        RawPanel raw;
-        if (perm) {
-          raw = {(const uint16_t*)t.b + 2 * k0 * t.b_sk + col0, t.b_sk, K - 2 * k0, mask32(nc),
-                 nc > 32 ? mask32(nc - 32) : (__mmask32)0, rows > kMR ? (float*)(bp + sb * kc * NR) : nullptr};
-        }
+        const bool from_rows = perm || raw_f32;
+        const RawPanel raw{(const char*)t.b + (k0 * U * t.b_sk + col0) * esz, t.b_sk, K - k0 * U, nc,
+                           rows > kMR ? (float*)(bp + sb * kc * NR) : nullptr};
         for (int64_t mb = 0; mb < rows; mb += kMR) {
           rows_block(mb, col0, nc, bp + sb * kc * NR, k0, kc, part + (mb * nsub + sb * kMR) * NR, bias + sb * NR,
-                     ahead.take(), perm && mb == 0 ? &raw : nullptr);
+                     ahead.take(), from_rows && mb == 0 ? &raw : nullptr);
         }
       }
     }
