@@ -1092,65 +1092,64 @@ struct RawPanel {
   float* keep;
 };
 
-template <int R>
-inline void vb_raw_kernel(const float* a, int64_t lda, const RawPanel& raw, int64_t kc, __m512 (&acc)[kMR][4],
-                          const char* pf, int64_t pf_lines) {
-  const __mmask32 m0 = mask32(raw.cols), m1 = raw.cols > 32 ? mask32(raw.cols - 32) : 0;
-  const uint16_t* r = (const uint16_t*)raw.lo;
-  for (int64_t k = 0; k < kc; ++k, r += 2 * raw.sk) {
+// The k loop of a RawPanel: build(k, b) makes step k's four vectors, which are kept for the later
+// row blocks and multiplied with the R rows of A.
+template <class VT, int R, class Build>
+inline void raw_kernel(const float* a, int64_t lda, const RawPanel& raw, int64_t kc, __m512 (&acc)[kMR][4],
+                       const char* pf, int64_t pf_lines, const Build& build) {
+  float* const keep = raw.keep;  // (locals: the stores below would make GCC reload raw's fields)
+  for (int64_t k = 0; k < kc; ++k) {
     for (int64_t l = k; l < pf_lines; l += kc) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
-    const __m512i l0 = masked_load_epi16x32(m0, r), l1 = masked_load_epi16x32(m1, r + 32);
-    __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
-    if (2 * k + 1 < raw.k_left) {  // (the last row of an odd K has no pair)
-      h0 = masked_load_epi16x32(m0, r + raw.sk);
-      h1 = masked_load_epi16x32(m1, r + raw.sk + 32);
-    }
-    const __m512 b0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l0, h0)), b1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l0, h0));
-    const __m512 b2 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l1, h1)), b3 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l1, h1));
-    if (raw.keep) {
-      float* d = raw.keep + k * 64;
-      _mm512_store_ps(d, b0);
-      _mm512_store_ps(d + 16, b1);
-      _mm512_store_ps(d + 32, b2);
-      _mm512_store_ps(d + 48, b3);
+    __m512 b[4];
+    build(k, b);
+    if (keep) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(keep + k * 64 + j * 16, b[j]);
     }
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
-      const __m512 av = VB::bcast(a + i * lda + k);
-      acc[i][0] = VB::fma(av, b0, acc[i][0]);
-      acc[i][1] = VB::fma(av, b1, acc[i][1]);
-      acc[i][2] = VB::fma(av, b2, acc[i][2]);
-      acc[i][3] = VB::fma(av, b3, acc[i][3]);
+      const __m512 av = VT::bcast(a + i * lda + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[i][j] = VT::fma(av, b[j], acc[i][j]);
     }
   }
 }
 
+// bf16 pairs: rows 2k and 2k + 1 of the slab, interleaved.
+template <int R>
+inline void vb_raw_kernel(const float* a, int64_t lda, const RawPanel& raw, int64_t kc, __m512 (&acc)[kMR][4],
+                          const char* pf, int64_t pf_lines) {
+  const __mmask32 m0 = mask32(raw.cols), m1 = raw.cols > 32 ? mask32(raw.cols - 32) : 0;
+  const uint16_t* const lo = (const uint16_t*)raw.lo;
+  const int64_t sk = raw.sk, k_left = raw.k_left;
+  raw_kernel<VB, R>(a, lda, raw, kc, acc, pf, pf_lines, [=](int64_t k, __m512 (&b)[4]) {
+    const uint16_t* r = lo + 2 * k * sk;
+    const __m512i l0 = masked_load_epi16x32(m0, r), l1 = masked_load_epi16x32(m1, r + 32);
+    __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
+    if (2 * k + 1 < k_left) {  // (the last row of an odd K has no pair)
+      h0 = masked_load_epi16x32(m0, r + sk);
+      h1 = masked_load_epi16x32(m1, r + sk + 32);
+    }
+    b[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l0, h0));
+    b[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l0, h0));
+    b[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l1, h1));
+    b[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l1, h1));
+  });
+}
+
+// fp32: row k of the slab.
 template <int R>
 inline void vf_raw_kernel(const float* a, int64_t lda, const RawPanel& raw, int64_t kc, __m512 (&acc)[kMR][4],
                           const char* pf, int64_t pf_lines) {
   __mmask16 m[4];
   for (int j = 0; j < 4; ++j) m[j] = raw.cols > 16 * j ? mask16(raw.cols - 16 * j) : 0;
-  const float* r = (const float*)raw.lo;
-  for (int64_t k = 0; k < kc; ++k, r += raw.sk) {
-    for (int64_t l = k; l < pf_lines; l += kc) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
-    const __m512 b0 = masked_load_ps(m[0], r), b1 = masked_load_ps(m[1], r + 16), b2 = masked_load_ps(m[2], r + 32),
-                 b3 = masked_load_ps(m[3], r + 48);
-    if (raw.keep) {
-      float* d = raw.keep + k * 64;
-      _mm512_store_ps(d, b0);
-      _mm512_store_ps(d + 16, b1);
-      _mm512_store_ps(d + 32, b2);
-      _mm512_store_ps(d + 48, b3);
-    }
-#pragma GCC unroll 6
-    for (int i = 0; i < R; ++i) {
-      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
-      acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
-      acc[i][2] = _mm512_fmadd_ps(av, b2, acc[i][2]);
-      acc[i][3] = _mm512_fmadd_ps(av, b3, acc[i][3]);
-    }
-  }
+  const float* const lo = (const float*)raw.lo;
+  const int64_t sk = raw.sk;
+  raw_kernel<VF, R>(a, lda, raw, kc, acc, pf, pf_lines, [&m, lo, sk](int64_t k, __m512 (&b)[4]) {
+    const float* r = lo + k * sk;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) b[j] = masked_load_ps(m[j], r + 16 * j);
+  });
 }
 
 // Row stride of packed A: K rounded up to a vector, plus one cache line so that consecutive
