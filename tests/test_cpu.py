@@ -349,6 +349,35 @@ def test_swapped_groups_of_up_to_four_rows_by_weight_row_stride(row_bytes):
             assert not same, f"rows of W {row_bytes} B apart: the dot products"
 
 
+@pytest.mark.parametrize("K", [2048, 2045])
+def test_swapped_scheme_stages_rows_of_w_4_kib_apart(K):
+    """With the swapped bf16 scheme, items of 32 rows and more whose rows of W are a multiple of
+    4 KiB apart copy each k block of W into the workspace before its row blocks read it: over two
+    k blocks, with K % 4 of 0 and 1 (the last quad masked), groups of 31 rows (read in place) and
+    32-100, a partial slice of columns, a bias and both output dtypes. Against the oracle, bitwise
+    for any thread count, and bitwise equal to the same W with rows 64 bytes further apart (read
+    in place: the copy changes no sum)."""
+    if not has_level("avx512_bf16_swapped"):
+        pytest.skip(f"this CPU has no avx512_bf16 (best: {torch.ops.moe_cpu.machine()})")
+    gen = torch.Generator().manual_seed(K)
+    sizes = [31, 32, 45, 5, 100, 64]
+    G, N, M = len(sizes), 40, sum(sizes)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    a = torch.randn(M, K, generator=gen).bfloat16()
+    values = torch.randn(G, N, K, generator=gen).bfloat16()
+    apart = {}
+    for row_bytes in (4096, 4096 + 64):
+        w = torch.full((G, N, row_bytes // 2), float("nan"), dtype=torch.bfloat16)
+        w[:, :, :K] = values
+        apart[row_bytes] = w[:, :, :K].transpose(1, 2)
+    bias = torch.randn(G, N, generator=gen).bfloat16()
+    for out_dtype in (None, torch.float32):
+        b = apart[4096]
+        out = run_any_threads((a, b, offs, bias, out_dtype), "avx512_bf16_swapped")
+        check(out, a, b, offs, bias, out_dtype, what=f"K={K} out {out_dtype}")
+        assert torch.equal(out, run((a, apart[4096 + 64], offs, bias, out_dtype), "avx512_bf16_swapped"))
+
+
 @pytest.mark.parametrize("weights,K", [("[G,N,K]", 4100), ("[G,K,N]", 300)])
 def test_amx_groups_of_up_to_four_rows_take_the_decode_kernels(weights, K):
     """With AMX, groups of 1-4 rows take the dot products from K = 4096 with k-contiguous weights
