@@ -1836,9 +1836,13 @@ int64_t vbs_vectors(int64_t left) {
 // -> 2.25 / 7.66 ms, DeepSeek-V3 /4 0.75 / 2.40 -> 0.62 / 1.92 ms. At K = 2048 / 4096 (4 / 8 KiB
 // rows) it was 30-48% slower (OLMoE, Qwen3-30B-A3B, Mixtral decode) and with every row of W
 // padded by 64 bytes level or faster: so those keep gemv_item.
+// Whether bf16 rows of W are a multiple of 4 KiB apart, so that at one k they all fall into one
+// L1 set (see vbs_task and kVbsStageStride).
+bool w_rows_share_l1_set(const Task& t) { return (t.b_sn * 2) % 4096 == 0; }
+
 bool vbs_task(const Task& t) {
   if (t.b_sk != 1 || t.b_sn == 1 || t.a_sk != 1) return false;
-  return t.m > kGemvRows || (t.b_sn * 2) % 4096 != 0;
+  return t.m > kGemvRows || !w_rows_share_l1_set(t);
 }
 
 // Rows of a vbs_item: the packed rows of one k block (kVbsKC quads) within 256 KiB of L2, 16 to
@@ -1866,7 +1870,7 @@ int64_t vbs_item_rows(int64_t K) {
 // N=768 (groups of ~32 rows) 41.4 -> 40.7 ms; from 64 rows instead of 32: the same or less gain.
 constexpr int64_t kVbsStageStride = kVbsKC * 4 + 32;  // elements of a staged row: one k block + 64 B
 constexpr int64_t kVbsStageMinRows = 32;
-bool vbs_staged(const Task& t, int64_t rows) { return (t.b_sn * 2) % 4096 == 0 && rows >= kVbsStageMinRows; }
+bool vbs_staged(const Task& t, int64_t rows) { return w_rows_share_l1_set(t) && rows >= kVbsStageMinRows; }
 
 // Bytes of vbs_item's workspace for items of up to `rows` rows: A packed, the C^T slice, the
 // bias of a slice, 16 staged rows of W, and alignment.
