@@ -258,6 +258,27 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
     check(run_any_threads((a, b, offs, None, None), isa), a, b, offs, None, None, what=isa)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("isa", machine_levels(("avx512", "avx512_bf16", "amx")))
+def test_weight_gradient_x_transposed_is_packed_k_major(isa, dtype):
+    """The weight gradient's x^T (column-major A) is packed k-major for items of 24+ rows: the
+    sums must be bitwise those of the same values in a row-major copy (packed row by row, the same
+    products in the same order), and match the oracle. Output rows around the 24-row cut and past
+    one item (240 rows), a column edge, groups that are empty or of odd size (a pair's missing
+    half in bf16: the rows past offs[-1], never to be read, hold inf), on 1-3 threads (items end
+    at other rows: the next item's prefetch)."""
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.tensor([0, 1, 3, 16, 17, 0, 40, 2, 71])
+    offs = torch.cumsum(sizes, 0).to(torch.int32)
+    M, N = int(offs[-1]) + 5, 70
+    for rows in (23, 24, 25, 250, 517):
+        x, dy = torch.randn(M, rows, generator=gen).to(dtype), torch.randn(M, N, generator=gen).to(dtype)
+        x[offs[-1]:], dy[offs[-1]:] = float("inf"), float("inf")
+        out = run_any_threads((x.t(), dy, offs, None, None), isa)
+        assert torch.equal(out, run((x.t().contiguous(), dy, offs, None, None), isa)), f"{isa} {dtype} rows {rows}"
+        check(out, x.t(), dy, offs, None, None, what=f"{isa} {dtype} rows {rows}")
+
+
 @pytest.mark.parametrize("K", [1, 31, 127, 128, 257, 515, 1030])
 @pytest.mark.parametrize("level", machine_levels(("avx512_bf16", "avx512_bf16_swapped")))
 def test_bf16_kernels_on_row_and_column_edges(level, K):
