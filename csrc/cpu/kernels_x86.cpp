@@ -1703,8 +1703,8 @@ void fma_item(const Task& t, const Item& it, void* ws) {
     for (int64_t nw = 0; nw < cols; nw += wide) calls += ceil_div(imin(wide, cols - nw), NR) * imax(1, ceil_div(KU, kKC));
     calls *= ceil_div(rows, kMR);
     const bool more = it.m1 < t.m;
-    return PrefetchBlock(t.a, more ? it.m1 * esz : K * t.a_sk * esz, kmajor ? K : 0, t.a_sk * esz,
-                         (more ? imin(rows, t.m - it.m1) : rows) * esz, calls);
+    const int64_t next_rows = more ? imin(rows, t.m - it.m1) : imin(t.m, fma_item_rows(D, K, VT::kPairs));
+    return PrefetchBlock(t.a, more ? it.m1 * esz : K * t.a_sk * esz, kmajor ? K : 0, t.a_sk * esz, next_rows * esz, calls);
   }();
   for (int64_t nw = 0; nw < cols; nw += wide) {
     const int64_t wc = imin(wide, cols - nw), nsub = ceil_div(wc, NR);
