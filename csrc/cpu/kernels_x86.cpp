@@ -1584,6 +1584,32 @@ int64_t fma_workspace(Dt in, int64_t K, bool pairs) {
 // slabs of whole rows; reset by thread_begin).
 static thread_local uintptr_t tl_window_end = 0;
 
+// One prefetch into L2 per 4 KiB page of `rows` runs of `run` bytes, `stride` bytes apart, from p,
+// a block of weights further ahead than the line prefetches (PrefetchBlock) reach: so that, we
+// take it, the page walks of those pages (nested ones under a hypervisor) are done before the
+// line prefetches come (this VM exposes no counters to confirm the cause; perf put 11-14% of the
+// hot loops' samples on their line prefetches). Measured on the Zen 4 VM (bf16 unless said, 2
+// threads, one process alternating, caches flushed, 10-20 rounds, medians, 2026-12-01), without
+// -> with: forward with [G, N, K] weights (vbs_item: the slice after the next), G=64, M=2048,
+// K=N=512 4.07 -> 3.67 ms (Dirichlet sizes), 3.89 -> 3.41 ms (groups of 32); G=256, M=4096, K=512,
+// N=256 5.28 -> 4.79 ms, 4.66 -> 3.96 ms (groups of 16); Qwen3-30B-A3B /4 3.26 -> 2.91 ms,
+// DeepSeek-V3 /16 2.37 -> 2.25 ms, GPT-OSS-20B /4 8.15 -> 7.72 ms, OLMoE /2 12.47 -> 11.66 ms,
+// Mixtral /4 20.44 -> 19.68 ms, G=8 level; input gradient with [G, K, N] weights (fma_item: the
+// slab past the prefetch window) G=64 3.73 -> 3.60 ms, 3.44 -> 3.25 ms, G=256 4.88 -> 4.71 ms,
+// 4.05 -> 3.80 ms, fp32 G=256 8.10 -> 7.86 ms, the model shapes 0-4%; weight gradients level. The
+// fp32 forward's panels of [G, N, K] weights (the panel after the next): level (7.17 / 9.06 ->
+// 7.28 / 9.16 ms at G=64 / G=256), not used there.
+inline void warm_pages(const void* p, int64_t rows, int64_t stride, int64_t run) {
+  uintptr_t last = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uintptr_t b = (uintptr_t)p + r * stride, e = b + run;
+    for (uintptr_t q = b; q < e; q = (q & ~(uintptr_t)4095) + 4096) {
+      if ((q >> 12) != last) _mm_prefetch((const char*)q, _MM_HINT_T1);
+      last = q >> 12;
+    }
+  }
+}
+
 struct PfRun {
   const char* first;  // first cache line
   int64_t lines;
@@ -1750,9 +1776,11 @@ void fma_item(const Task& t, const Item& it, void* ws) {
           uintptr_t to = from + imax(slab, slab * rows / kWindowRows);
           if (to > cap) to = cap;
           if (to > tl_window_end) tl_window_end = to;
+          warm_pages((const void*)to, 1, 0, slab);  // the slab past the window
           return PrefetchBlock((const void*)end, 0, 1, 0, (int64_t)(to - end), calls);
         }
         const int64_t ahead_rows = !ahead_ok ? 0 : ke < K ? imin(kKC * U, K - ke) : ke - k0 * U;
+        warm_pages((const char*)t.b + ((ke + ahead_rows) * t.b_sk + it.n0 + nw) * esz, ahead_rows, t.b_sk * esz, wc * esz);
         return PrefetchBlock(t.b, (ke * t.b_sk + it.n0 + nw) * esz, ahead_rows, t.b_sk * esz, wc * esz, calls);
       }();
       for (int64_t sb = 0; sb < nsub; ++sb) {
@@ -1976,6 +2004,7 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
     // The next slice's rows of W (past the task's end: the next group's, which this thread
     // usually takes next), into L2 while this one computes.
     PrefetchBlock ahead(t.b, (col0 + kVbsSlice) * t.b_sn * 2, kVbsSlice, t.b_sn * 2, K * 2, calls);
+    warm_pages((const char*)t.b + (col0 + 2 * kVbsSlice) * t.b_sn * 2, kVbsSlice, t.b_sn * 2, K * 2);
     if (K == 0) memset(blk, 0, sizeof(float) * kVbsSlice * ldb);
     for (int64_t q0 = 0; q0 < KQ; q0 += kVbsKC) {
       const int64_t kc = imin(kVbsKC, KQ - q0), tail = q0 + kc == KQ ? K % 4 : 0;
