@@ -1046,8 +1046,15 @@ struct Bool {
   static constexpr bool value = B;
 };
 
-// acc[i][j] += sum_{k < kc} a[i*lda + k] * b[k][j*L .. +L) for i < R (b: kc rows of 4 vectors);
-// KM (A packed k-major, see kmajor_ldk): a[k*lda + i].
+// Element (i, k) of packed A, row-major (a[i*lda + k]) or, with KM, k-major (a[k*lda + i]; see
+// kmajor_ldk).
+template <bool KM, typename S>
+inline const S* a_at(const S* a, int64_t lda, int i, int64_t k) {
+  return KM ? a + k * lda + i : a + i * lda + k;
+}
+
+// acc[i][j] += sum_{k < kc} A(i, k) * b[k][j*L .. +L) for i < R (b: kc rows of 4 vectors), A(i, k)
+// at a_at<KM>(a, lda, i, k).
 // Each k step also prefetches into L2 the lines k, k + kc, ... below pf_lines of pf, pf + 64, ...
 template <class VT, int R, bool KM>
 inline void fma_kernel(const typename VT::S* a, int64_t lda, const typename VT::S* b, int64_t kc,
@@ -1060,7 +1067,7 @@ inline void fma_kernel(const typename VT::S* a, int64_t lda, const typename VT::
             b3 = VT::load(b + k * NR + 3 * VT::L);
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
-      const V av = VT::bcast(KM ? a + k * lda + i : a + i * lda + k);
+      const V av = VT::bcast(a_at<KM>(a, lda, i, k));
       acc[i][0] = VT::fma(av, b0, acc[i][0]);
       acc[i][1] = VT::fma(av, b1, acc[i][1]);
       acc[i][2] = VT::fma(av, b2, acc[i][2]);
@@ -1114,7 +1121,7 @@ inline void raw_kernel(const float* a, int64_t lda, const RawPanel& raw, int64_t
     }
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
-      const __m512 av = VT::bcast(KM ? a + k * lda + i : a + i * lda + k);
+      const __m512 av = VT::bcast(a_at<KM>(a, lda, i, k));
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) acc[i][j] = VT::fma(av, b[j], acc[i][j]);
     }
@@ -1687,8 +1694,8 @@ void fma_item(const Task& t, const Item& it, void* ws) {
   const bool raw_f32 = !VT::kPairs && D == Dt::f32 && t.b_sn == 1;  // (see RawPanel)
   auto rows_block = [&](int64_t mb, int64_t col0, int64_t nc, const S* b, int64_t k0, int64_t kc, S* pb,
                         const S* bias_blk, PfRun pf, const RawPanel* raw = nullptr) {
-    const S* a = kmajor ? ap + k0 * ldk + mb : ap + mb * lda + k0;
     const int64_t la = kmajor ? ldk : lda;
+    const S* a = kmajor ? a_at<true>(ap, la, mb, k0) : a_at<false>(ap, la, mb, k0);
     const bool first = k0 == 0, last = k0 + kKC >= KU;
     const int64_t row0 = it.m0 + mb;
     switch (imin(kMR, rows - mb)) {
@@ -1725,12 +1732,13 @@ void fma_item(const Task& t, const Item& it, void* ws) {
   // With k-major A, the next item's rows of A into L2 over this item's blocks: this task's next
   // rows, or the next task's first (its k rows follow this task's in memory; guessed as many).
   PrefetchBlock a_ahead = [&] {
+    if (!kmajor) return PrefetchBlock(t.a, 0, 0, 0, 0, 1);
     int64_t calls = 0;
     for (int64_t nw = 0; nw < cols; nw += wide) calls += ceil_div(imin(wide, cols - nw), NR) * imax(1, ceil_div(KU, kKC));
     calls *= ceil_div(rows, kMR);
     const bool more = it.m1 < t.m;
     const int64_t next_rows = more ? imin(rows, t.m - it.m1) : imin(t.m, fma_item_rows(D, K, VT::kPairs));
-    return PrefetchBlock(t.a, more ? it.m1 * esz : K * t.a_sk * esz, kmajor ? K : 0, t.a_sk * esz, next_rows * esz, calls);
+    return PrefetchBlock(t.a, more ? it.m1 * esz : K * t.a_sk * esz, K, t.a_sk * esz, next_rows * esz, calls);
   }();
   for (int64_t nw = 0; nw < cols; nw += wide) {
     const int64_t wc = imin(wide, cols - nw), nsub = ceil_div(wc, NR);
