@@ -591,6 +591,37 @@ def test_large_output_in_a_reused_block_is_written_completely(isa, layout, strid
 
 
 @needs_cache
+@pytest.mark.parametrize("K", [512, 1030])
+def test_swapped_scheme_sums_to_c_as_through_its_workspace(K):
+    """With the swapped bf16 scheme the register blocks write their sums to C themselves
+    (transposed in registers, plus bias, rounded once); a streamed output (8 MiB or more in a
+    block reused from the output cache) still takes them through the workspace and the 16 x 16
+    transposing store. Both must give the same bits: over one and two k blocks (K = 1030, with
+    the partial sums of the first added in the second), groups of 1-17 rows (blocks of 4, 8 and
+    12 rows, partial ones), N = 520 (a slice of 8 columns: half a 16-column block), a bias and
+    both output dtypes. The two paths' agreement with the oracle is tested above (edges, large
+    outputs); here the bits."""
+    if not has_level("avx512_bf16_swapped"):
+        pytest.skip(f"this CPU has no avx512_bf16 (best: {torch.ops.moe_cpu.machine()})")
+    gen = torch.Generator().manual_seed(K)
+    sizes = [1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 0, 8133]
+    G, N, M = len(sizes), 520, sum(sizes)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    a = torch.randn(M, K, generator=gen).bfloat16()
+    b = torch.randn(G, N, K, generator=gen).bfloat16().transpose(1, 2)
+    bias = torch.randn(G, N, generator=gen).bfloat16()
+    for out_dtype in (None, torch.float32):
+        moe_ops.empty_cpu_cache()
+        direct = run((a, b, offs, bias, out_dtype), "avx512_bf16_swapped")  # a new block: not streamed
+        assert direct.nbytes >= 8 << 20
+        block, want = direct.data_ptr(), direct.clone()
+        del direct
+        streamed = run((a, b, offs, bias, out_dtype), "avx512_bf16_swapped")
+        assert streamed.data_ptr() == block, "the output did not reuse the freed block"
+        assert torch.equal(streamed, want), f"K={K} out {out_dtype}: the two stores differ"
+
+
+@needs_cache
 def test_output_cache_keeps_freed_blocks_within_its_limit_and_empties():
     """Blocks of freed large outputs are kept (up to the limit) and handed out again (a block
     left full of NaN is overwritten completely, empty groups included); smaller outputs do not
