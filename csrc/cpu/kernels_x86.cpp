@@ -1826,7 +1826,10 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 // W (its 4 bf16 of k = 4q .. 4q + 3) meets each row's own 4 k, and the two lanes of a row are
 // added at the end. The price is a group's rows rounded up to a multiple of 4 (1.5 rows per
 // group on average; with 8 rows per vector, one pair each, it was 3.5, and G=256 with equal
-// groups of 12 rows took as long as with 16). On CPUs that split 512-bit operations into two
+// groups of 12 rows took as long as with 16); groups of fewer than kVbsPairRowsBelow rows take
+// vectors of 2 rows x 4 pairs instead (lanes 4i .. 4i + 3: row i, pairs 4q .. 4q + 3, against a
+// broadcast 128-bit piece of W), rounded up to 2 (VR, the rows per vector, is a template
+// parameter of the functions below). On CPUs that split 512-bit operations into two
 // 256-bit halves (AMD Zen 4), VDPBF16PS on ymm runs at twice the rate of zmm, the same
 // multiply-adds per cycle (measured here: 3.62 G zmm / 7.24 G ymm instructions per second, 231
 // GFLOP/s both). In the first version (8 rows per vector, 32-bit words of W) the register
@@ -1848,19 +1851,37 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 // and 4-6% slower with the caches flushed (2 threads), and is not used.
 constexpr int64_t kVbsCols = 8;    // columns of C (rows of W) per register block of 2-3 vectors
 constexpr int64_t kVbsSlice = 32;  // columns of C per stored block (store_block_transposed's fast case)
-// k-quads (4 k) per block: 2 KiB of each of 8-16 rows of W. Measured (2 threads, forward, one
-// process alternating, caches flushed between calls), 64 / 128 / 256 quads: G=64, M=2048,
+// k per block (1024: 256 quads, 128 octets): 2 KiB of each of 8-16 rows of W. Measured (2
+// threads, forward, one process alternating, caches flushed between calls), 64 / 128 / 256 quads: G=64, M=2048,
 // K=N=512 x1.48 / x1.41 / -; G=256, M=4096, K=512, N=256 x1.89 / x1.79 / -; OLMoE /2 (K=1024)
 // x1.36 / x1.30 / x1.25; G=8, M=4096, K=1024, N=2048 x1.13 / x1.08 / x1.05 (fewer passes over
 // the partial sums); at K=2048 and 4096, 128-1024 quads within the noise.
-constexpr int64_t kVbsKC = 256;
+constexpr int64_t kVbsKC = 1024;
 
 // Rows [m0, m1) of A (k-contiguous) by 4 rows x 4 k: quad q of rows 4R .. 4R + 3 at
 // dst + (R * KQ + q) * 8 (32-bit words), row i's 4 bf16 in words 2i, 2i + 1; zero past K and in
 // the rows up to a multiple of 4.
+// With VR = 2 (see vbs_pair_rows): 2 rows x 8 k, octet o of rows 2R, 2R + 1 at dst + (R * KQ +
+// o) * 8, row i's 8 bf16 in words 4i .. 4i + 3; zero past K and in a last odd row.
+template <int VR>
 void vbs_pack_a(const Task& t, const Item& it, uint32_t* dst, int64_t KQ) {
   const int64_t rows = it.m1 - it.m0, K = t.k;
   const uint16_t* a = (const uint16_t*)t.a + it.m0 * t.a_sm;
+  if constexpr (VR == 2) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 2) {
+      uint32_t* d = dst + (r0 / 2) * KQ * 8;
+      const uint16_t* a0 = a + r0 * t.a_sm;
+      const bool two = r0 + 1 < rows;
+      for (int64_t o0 = 0; o0 < KQ; o0 += 2) {
+        const __mmask16 km = mask16(K - 8 * o0);
+        const __m256i x0 = masked_load_epi16x16(km, a0 + 8 * o0);  // octets o0, o0 + 1 of row r0
+        const __m256i x1 = two ? masked_load_epi16x16(km, a0 + t.a_sm + 8 * o0) : _mm256_setzero_si256();
+        _mm256_store_si256((__m256i*)(d + o0 * 8), _mm256_permute2x128_si256(x0, x1, 0x20));
+        if (o0 + 1 < KQ) _mm256_store_si256((__m256i*)(d + (o0 + 1) * 8), _mm256_permute2x128_si256(x0, x1, 0x31));
+      }
+    }
+    return;
+  }
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     uint32_t* d = dst + (r0 / 4) * KQ * 8;
     for (int64_t q0 = 0; q0 < KQ; q0 += 4) {
@@ -1886,9 +1907,10 @@ void vbs_pack_a(const Task& t, const Item& it, uint32_t* dst, int64_t KQ) {
 
 // acc[i][j] += over quads q0 .. q0 + kc: W[i] quad q (64-bit words from w[i] + 4q, broadcast)
 // times A vector j quad q (a + j * a_vec + q * 8), for i < NC columns and j < MV vectors of 4
-// rows. `tail`: the last quad has K % 4 valid k, so its word of W is read masked (the rest is
-// past the row). pf_lines prefetches from pf are spread evenly over the kc steps.
-template <int MV, int NC>
+// rows (VR = 2: octets, 128 bits of W from w[i] + 8q broadcast to both halves, vectors of 2
+// rows). `tail`: the last step has K % (16 / VR) valid k, so its part of W is read masked (the
+// rest is past the row). pf_lines prefetches from pf are spread evenly over the kc steps.
+template <int VR, int MV, int NC>
 inline void vbs_kernel(const uint32_t* a, int64_t a_vec, const uint16_t* const* w, int64_t q0, int64_t kc, int64_t tail,
                        __m256 (&acc)[NC][MV], const char* pf, int64_t pf_lines) {
   auto step = [&](int64_t q, auto load_w) {
@@ -1897,7 +1919,8 @@ inline void vbs_kernel(const uint32_t* a, int64_t a_vec, const uint16_t* const* 
     for (int j = 0; j < MV; ++j) av[j] = (__m256bh)_mm256_load_si256((const __m256i*)(a + j * a_vec + q * 8));
 #pragma GCC unroll 16
     for (int i = 0; i < NC; ++i) {
-      const __m256bh bw = (__m256bh)_mm256_broadcastq_epi64(load_w(w[i] + 4 * (q0 + q)));
+      const __m128i x = load_w(w[i] + (16 / VR) * (q0 + q));
+      const __m256bh bw = (__m256bh)(VR == 4 ? _mm256_broadcastq_epi64(x) : _mm256_broadcastsi128_si256(x));
 #pragma GCC unroll 3
       for (int j = 0; j < MV; ++j) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], bw, av[j]);
     }
@@ -1910,7 +1933,7 @@ inline void vbs_kernel(const uint32_t* a, int64_t a_vec, const uint16_t* const* 
       pf += 64;
     }
     // An unaligned load: rows of W are 2-byte aligned when K is odd.
-    step(q, [](const uint16_t* p) { return _mm_loadu_si64(p); });
+    step(q, [](const uint16_t* p) { return VR == 4 ? _mm_loadu_si64(p) : _mm_loadu_si128((const __m128i*)p); });
   }
   if (tail) step(full, [tail](const uint16_t* p) { return masked_load_epi16x8(mask8(tail), p); });
 }
@@ -1925,6 +1948,15 @@ struct VbsOut {
   bool f32 = false;
 };
 
+// Row `row` of the block, 8 columns from `col`: plus bias, rounded once, stored.
+inline void vbs_put_row(const VbsOut& o, int64_t row, int64_t col, __m256 v) {
+  v = _mm256_add_ps(v, _mm256_loadu_ps(o.bias + col));
+  const __mmask8 cm = mask8(o.cols - col);
+  const int64_t at = row * o.c_sm + col;
+  if (o.f32) masked_store_ps8((float*)o.c + at, cm, v);
+  else masked_store_epi16x8((uint16_t*)o.c + at, cm, f32_to_bf16x8_native(v));
+}
+
 // Rows 4j .. 4j + 3 of an 8-column piece of a register block, from s[p] = [column p: rows 0-3 |
 // column p + 4: rows 0-3]: transposed in registers (8 shuffles), plus bias, rounded once, each
 // row's 8 columns stored at c + row * c_sm.
@@ -1934,21 +1966,14 @@ inline void vbs_put(const VbsOut& o, int64_t j, int64_t col, const __m256 (&s)[4
   const __m256 t2 = _mm256_unpacklo_ps(s[2], s[3]), t3 = _mm256_unpackhi_ps(s[2], s[3]);
   const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE), _mm256_shuffle_ps(t1, t3, 0x44),
                        _mm256_shuffle_ps(t1, t3, 0xEE)};
-  const __m256 bv = _mm256_loadu_ps(o.bias + col);
-  const __mmask8 cm = mask8(o.cols - col);
-  for (int64_t r = 0; r < imin(4, o.rows - 4 * j); ++r) {
-    const __m256 v = _mm256_add_ps(u[r], bv);
-    const int64_t at = (4 * j + r) * o.c_sm + col;
-    if (o.f32) masked_store_ps8((float*)o.c + at, cm, v);
-    else masked_store_epi16x8((uint16_t*)o.c + at, cm, f32_to_bf16x8_native(v));
-  }
+  for (int64_t r = 0; r < imin(4, o.rows - 4 * j); ++r) vbs_put_row(o, 4 * j + r, col, u[r]);
 }
 
-// One register block: NC columns of C (rows w of W) x 4 MV rows of the item, quads [q0, q0 +
-// kc). Its sums, the two lanes of each row added, go to blk (C^T: blk[c][r], row stride ldb):
-// stored on the first k block, added to it on the others; or, with out.c set, (plus blk's sums
-// unless first) to C.
-template <int MV, int NC>
+// One register block: NC columns of C (rows w of W) x VR MV rows of the item, steps [q0, q0 +
+// kc). Its sums, the lanes of each row added, go to blk (VR = 4: C^T, blk[c][r]; VR = 2: rows of
+// C, blk[r][c]; row stride ldb): stored on the first k block, added to it on the others; or,
+// with out.c set, (plus blk's sums unless first) to C.
+template <int VR, int MV, int NC>
 __attribute__((noinline)) void vbs_block(const uint32_t* a, int64_t a_vec, const uint16_t* const* w, int64_t q0, int64_t kc,
                                          int64_t tail, bool first, float* blk, int64_t ldb, PfRun pf, const VbsOut& out) {
   static_assert(NC % 8 == 0, "columns in pieces of 8");
@@ -1958,7 +1983,31 @@ __attribute__((noinline)) void vbs_block(const uint32_t* a, int64_t a_vec, const
 #pragma GCC unroll 3
     for (int j = 0; j < MV; ++j) acc[i][j] = _mm256_setzero_ps();
   }
-  vbs_kernel<MV, NC>(a, a_vec, w, q0, kc, tail, acc, pf.first, pf.lines);
+  vbs_kernel<VR, MV, NC>(a, a_vec, w, q0, kc, tail, acc, pf.first, pf.lines);
+  if constexpr (VR == 2) {
+#pragma GCC unroll 2
+    for (int g = 0; g < NC; g += 8) {
+      if (out.c && out.cols <= g) break;  // columns past the task's (the second half of 16)
+#pragma GCC unroll 3
+      for (int j = 0; j < MV; ++j) {
+        // [c: row 0 lanes 0-3 | row 1 lanes 0-3] -> [c, c+1: row 0 pair sums | row 1] -> [c ..
+        // c+3: row 0 | row 1] -> [c .. c+7: row 0], [c .. c+7: row 1]: ((l0 + l1) + (l2 + l3)).
+        __m256 h[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) h[p] = _mm256_hadd_ps(acc[g + 2 * p][j], acc[g + 2 * p + 1][j]);
+        const __m256 s0 = _mm256_hadd_ps(h[0], h[1]), s1 = _mm256_hadd_ps(h[2], h[3]);
+        __m256 row[2] = {_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)};
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; ++r) {
+          float* bp = blk + (2 * j + r) * ldb + g;
+          if (!first) row[r] = _mm256_add_ps(row[r], _mm256_loadu_ps(bp));
+          if (!out.c) _mm256_storeu_ps(bp, row[r]);
+          else if (2 * j + r < out.rows) vbs_put_row(out, 2 * j + r, g, row[r]);
+        }
+      }
+    }
+    return;
+  }
 #pragma GCC unroll 2
   for (int g = 0; g < NC; g += 8) {
 #pragma GCC unroll 3
@@ -1979,11 +2028,12 @@ __attribute__((noinline)) void vbs_block(const uint32_t* a, int64_t a_vec, const
   }
 }
 
-// Vectors of 4 rows in the next register block, `left` rows to go: 3, or 2 where 3 would leave
+// Vectors of VR rows in the next register block, `left` rows to go: 3, or 2 where 3 would leave
 // a single one. A block of one vector takes 16 columns at once (16 accumulators; with 8, fewer
 // than VDPBF16PS's latency times its rate).
+template <int VR>
 int64_t vbs_vectors(int64_t left) {
-  const int64_t v = ceil_div(left, 4);
+  const int64_t v = ceil_div(left, VR);
   return v == 4 || v == 2 ? 2 : imin(3, v);
 }
 
@@ -2017,7 +2067,7 @@ bool vbs_task(const Task& t) {
 // x1.22 -> x1.15 / x1.15; K=2048 (64 -> 128 rows) x1.15 / x1.11 -> x1.13 / x1.13; 256 rows at
 // K=4096 measured as 128.
 int64_t vbs_item_rows(int64_t K) {
-  return imax(16, imin(256, (256 * 1024) / (2 * imax(imin(K, 4 * kVbsKC), 1))) / 16 * 16);
+  return imax(16, imin(256, (256 * 1024) / (2 * imax(imin(K, kVbsKC), 1))) / 16 * 16);
 }
 
 // Rows of W a multiple of 4 KiB apart (bf16 K = 2048, 4096, ...) fall into one L1 set (8 ways)
@@ -2031,24 +2081,26 @@ int64_t vbs_item_rows(int64_t K) {
 // M=2048, K=2048, N=1024 23.8 / 24.5 -> 22.8 / 23.1 ms; G=32, M=4096, K=2048, N=768 36.4 -> 35.7
 // ms; G=8, M=1024 / 2048, K=4096, N=1024 26.5 / 49.3 -> 25.3 / 47.6 ms; G=128, M=4096, K=2048,
 // N=768 (groups of ~32 rows) 41.4 -> 40.7 ms; from 64 rows instead of 32: the same or less gain.
-constexpr int64_t kVbsStageStride = kVbsKC * 4 + 32;  // elements of a staged row: one k block + 64 B
+constexpr int64_t kVbsStageStride = kVbsKC + 32;  // elements of a staged row: one k block + 64 B
 constexpr int64_t kVbsStageMinRows = 32;
 bool vbs_staged(const Task& t, int64_t rows) { return w_rows_share_l1_set(t) && rows >= kVbsStageMinRows; }
 
 // Bytes of vbs_item's workspace for items of up to `rows` rows: A packed, the C^T slice, the
 // bias of a slice, 16 staged rows of W, and alignment.
 int64_t vbs_workspace(int64_t rows, int64_t K) {
-  return (round_up(rows, 16) * ceil_div(K, 4) * 2 + round_up(rows, 16) * kVbsSlice + kVbsSlice) * 4 +
+  return (round_up(rows, 16) * (ceil_div(K, 4) * 2 + 4) + round_up(rows, 16) * kVbsSlice + kVbsSlice) * 4 +
          2 * kVbsCols * kVbsStageStride * 2 + 4 * 64;
 }
 
-template <Dt O>
+template <int VR, Dt O>
 void vbs_item(const Task& t, const Item& it, void* ws) {
-  const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, KQ = ceil_div(K, 4), ldb = round_up(rows, 16);
+  constexpr int64_t KS = 16 / VR, KC = kVbsKC / KS;  // k per step; steps per k block
+  const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, KQ = ceil_div(K, KS);
+  const int64_t ldb = VR == 4 ? round_up(rows, 16) : kVbsSlice;
   auto align = [](void* p) { return (float*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
   uint32_t* ap = (uint32_t*)align(ws);
-  float* blk = align(ap + round_up(rows, 4) * KQ * 2);
-  float* bias = align(blk + kVbsSlice * ldb);
+  float* blk = align(ap + round_up(rows, VR) * KQ * (8 / VR));
+  float* bias = align(blk + kVbsSlice * round_up(rows, 16));
   uint16_t* stage = (uint16_t*)align(bias + kVbsSlice);
   const bool staged = vbs_staged(t, rows);
   // Sums to C from the register blocks (vbs_put) rather than through blk and
@@ -2066,36 +2118,36 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
   // samples after its loads). G=256 with groups of 16: 3.79 -> 3.59 ms; 0-2% elsewhere.
   const bool whole_rows = it.n0 == 0 && it.n1 == t.n;
   PrefetchBlock next_rows(t.a, it.m1 * t.a_sm * 2, whole_rows ? rows : 0, t.a_sm * 2, K * 2, ceil_div(cols, kVbsSlice));
-  vbs_pack_a(t, it, ap, KQ);
+  vbs_pack_a<VR>(t, it, ap, KQ);
   const uint16_t* b = (const uint16_t*)t.b;
   for (int64_t ns = 0; ns < cols; ns += kVbsSlice) {
     const int64_t nc = imin(kVbsSlice, cols - ns), col0 = it.n0 + ns;
     load_bias<Dt::bf16>(t, col0, nc, bias, kVbsSlice);
     int64_t calls = 0;  // register blocks in this slice, over which the prefetches are spread
-    for (int64_t r0 = 0; r0 < rows; r0 += 4 * vbs_vectors(rows - r0)) {
-      calls += vbs_vectors(rows - r0) == 1 ? ceil_div(nc, 2 * kVbsCols) : ceil_div(nc, kVbsCols);
+    for (int64_t r0 = 0; r0 < rows; r0 += VR * vbs_vectors<VR>(rows - r0)) {
+      calls += vbs_vectors<VR>(rows - r0) == 1 ? ceil_div(nc, 2 * kVbsCols) : ceil_div(nc, kVbsCols);
     }
-    calls *= imax(1, ceil_div(KQ, kVbsKC));
+    calls *= imax(1, ceil_div(KQ, KC));
     // The next slice's rows of W (past the task's end: the next group's, which this thread
     // usually takes next), into L2 while this one computes.
     PrefetchBlock ahead(t.b, (col0 + kVbsSlice) * t.b_sn * 2, kVbsSlice, t.b_sn * 2, K * 2, calls);
     const PfRun rows_ahead = next_rows.take();
     for (int64_t l = 0; l < rows_ahead.lines; ++l) _mm_prefetch(rows_ahead.first + 64 * l, _MM_HINT_T1);
     warm_pages((const char*)t.b + (col0 + 2 * kVbsSlice) * t.b_sn * 2, kVbsSlice, t.b_sn * 2, K * 2);
-    if (K == 0) memset(blk, 0, sizeof(float) * kVbsSlice * ldb);
-    for (int64_t q0 = 0; q0 < KQ; q0 += kVbsKC) {
-      const int64_t kc = imin(kVbsKC, KQ - q0), tail = q0 + kc == KQ ? K % 4 : 0;
+    if (K == 0) memset(blk, 0, sizeof(float) * kVbsSlice * round_up(rows, 16));
+    for (int64_t q0 = 0; q0 < KQ; q0 += KC) {
+      const int64_t kc = imin(KC, KQ - q0), tail = q0 + kc == KQ ? K % KS : 0;
       for (int64_t c0 = 0; c0 < nc; c0 += 2 * kVbsCols) {
         // Rows of W past the task's columns repeat its last one (computed, never stored).
         const uint16_t* w[2 * kVbsCols];
         for (int64_t i = 0; i < 2 * kVbsCols; ++i) w[i] = b + imin(col0 + c0 + i, t.n - 1) * t.b_sn;
-        int64_t qw = q0;  // the quad of w[i] that is quad q0 of the row
+        int64_t qw = q0;  // the step of w[i] that is step q0 of the row
         if (staged) {
-          const int64_t n = imin(4 * kc, K - 4 * q0);
+          const int64_t n = imin(KS * kc, K - KS * q0);
           for (int64_t i = 0; i < 2 * kVbsCols; ++i) {
             uint16_t* d = stage + i * kVbsStageStride;
-            for (int64_t e = 0; e < 4 * kc; e += 32) {
-              _mm512_storeu_si512(d + e, masked_load_epi16x32(e < n ? mask32(n - e) : 0, w[i] + 4 * q0 + e));
+            for (int64_t e = 0; e < KS * kc; e += 32) {
+              _mm512_storeu_si512(d + e, masked_load_epi16x32(e < n ? mask32(n - e) : 0, w[i] + KS * q0 + e));
             }
             w[i] = d;
           }
@@ -2103,9 +2155,9 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
         }
         const bool two = c0 + kVbsCols < nc;
         for (int64_t r0 = 0; r0 < rows;) {
-          const int64_t mv = vbs_vectors(rows - r0);
-          const uint32_t* a = ap + (r0 / 4) * KQ * 8 + q0 * 8;
-          float* bk = blk + c0 * ldb + r0;
+          const int64_t mv = vbs_vectors<VR>(rows - r0);
+          const uint32_t* a = ap + (r0 / VR) * KQ * 8 + q0 * 8;
+          float* bk = VR == 4 ? blk + c0 * ldb + r0 : blk + r0 * ldb + c0;
           VbsOut o;
           if (direct && q0 + kc == KQ) {
             o.c = (char*)t.c + ((it.m0 + r0) * t.c_sm + col0 + c0) * (O == Dt::f32 ? 4 : 2);
@@ -2115,29 +2167,48 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
             o.bias = bias + c0;
             o.f32 = O == Dt::f32;
           }
-          r0 += mv * 4;
+          r0 += mv * VR;
           if (mv == 1) {
-            vbs_block<1, 2 * kVbsCols>(a, KQ * 8, w, qw, kc, tail, q0 == 0, bk, ldb, ahead.take(), o);
+            vbs_block<VR, 1, 2 * kVbsCols>(a, KQ * 8, w, qw, kc, tail, q0 == 0, bk, ldb, ahead.take(), o);
             continue;
           }
           for (int h = 0; h < (two ? 2 : 1); ++h) {
             const uint16_t* const* wh = w + h * kVbsCols;
-            float* bh = bk + h * kVbsCols * ldb;
+            float* bh = bk + h * kVbsCols * (VR == 4 ? ldb : 1);
             VbsOut oh = o;
             if (oh.c) {
               oh.c = (char*)oh.c + h * kVbsCols * (O == Dt::f32 ? 4 : 2);
               oh.cols -= h * kVbsCols;
               oh.bias += h * kVbsCols;
             }
-            if (mv == 3) vbs_block<3, kVbsCols>(a, KQ * 8, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
-            else vbs_block<2, kVbsCols>(a, KQ * 8, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
+            if (mv == 3) vbs_block<VR, 3, kVbsCols>(a, KQ * 8, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
+            else vbs_block<VR, 2, kVbsCols>(a, KQ * 8, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
           }
         }
       }
     }
-    if (!direct) store_block_transposed<O>(t, it.m0, col0, blk, ldb, rows, nc, bias);
+    if (!direct) {
+      if constexpr (VR == 4) store_block_transposed<O>(t, it.m0, col0, blk, ldb, rows, nc, bias);
+      else store_block<O>(t, it.m0, col0, blk, ldb, rows, nc, bias);
+    }
   }
 }
+
+// Groups of fewer than kVbsPairRowsBelow rows take vectors of 2 rows x 8 k (VR = 2) instead of 4
+// rows x 4 k: their rows round up to 2 instead of 4 (equal groups of 13-16 rows took the same
+// time with 4, as did 17-20), for the same multiply-adds per load (a 128-bit broadcast of W
+// instead of 64-bit), but a block covers 6 rows instead of 12, so W is read from L1 twice as
+// often: for every group, 2-4% slower on large ones (G=8, M=4096, K=1024, N=2048 40.9 -> 41.8
+// ms, Mixtral /4 18.9 -> 19.6 ms). Chosen by the group's size, never the item's, so that a row's
+// summation order does not depend on the cut into items. Measured on the Zen 4 VM (2 threads,
+// forward, [G, N, K] weights, one process alternating, caches flushed, 16-20 rounds, medians,
+// 2026-12-01), all groups 4 rows x 4 k -> this: G=256, M=4096, K=512, N=256 3.65 -> 3.54 and
+// 3.75 -> 3.72 ms (Dirichlet sizes), 3.50 -> 3.44 ms (groups of 16), 3.39 -> 3.08 ms (groups of
+// 13); G=64, M=2048, K=N=512 3.31 -> 3.29 / 3.28 ms; Qwen3-30B-A3B /4 2.59 -> 2.53, 2.71 -> 2.66
+// ms; GPT-OSS-20B /4 6.50 -> 6.36, 6.54 -> 6.33 ms; DeepSeek-V3 /16, OLMoE /2, G=8 and Mixtral
+// /4 level. With the cut at 48 rows: the same within the noise.
+constexpr int64_t kVbsPairRowsBelow = 64;
+bool vbs_pair_rows(const Task& t) { return t.m < kVbsPairRowsBelow; }
 
 bool uses_amx(Isa isa, Dt in) { return isa == Isa::amx && in == Dt::bf16; }
 bool uses_pairs(Isa isa, Dt in) { return isa == Isa::avx512bf16 && in == Dt::bf16; }
@@ -2201,8 +2272,9 @@ void run_item(Isa isa, Dt in, Dt out, const Task& task, const Item& item, void* 
     case Dt::bf16:
       if (uses_pairs(isa, in)) {
         if (uses_swapped(isa, in, task)) {
-          if (out == Dt::f32) vbs_item<Dt::f32>(task, item, ws);
-          else vbs_item<Dt::bf16>(task, item, ws);
+          const bool pairs = vbs_pair_rows(task);
+          if (out == Dt::f32) pairs ? vbs_item<2, Dt::f32>(task, item, ws) : vbs_item<4, Dt::f32>(task, item, ws);
+          else pairs ? vbs_item<2, Dt::bf16>(task, item, ws) : vbs_item<4, Dt::bf16>(task, item, ws);
         } else if (out == Dt::f32) fma_item<VB, Dt::bf16, Dt::f32>(task, item, ws);
         else fma_item<VB, Dt::bf16, Dt::bf16>(task, item, ws);
       } else if (out == Dt::f32) {
