@@ -286,8 +286,8 @@ def test_bf16_kernels_on_row_and_column_edges(level, K):
     schemes, with K % 4 of 1, 2 and 3 (the swapped scheme reads the last 4 k of a row of W
     masked) and 0. [G, K, N] (n-contiguous): row pairs interleaved in column order (K < 128) or
     within 128-bit lanes and restored at the store (K >= 128), K odd (the last pair has no second
-    row). Groups of 1-4 rows (the swapped scheme's one vector of 2 rows or two; the direct one's
-    dot products), of 5-49 rows (the swapped scheme's vectors of 2 rows, in blocks of 2, 4 and 6
+    row). Groups of 1-4 rows (the swapped scheme's one vector of 4 rows; the direct one's dot
+    products), of 5-49 rows (the swapped scheme's vectors of 2 rows, in blocks of 2, 4 and 6
     rows, the direct one's of 6, and remainders), of 67 and 70 rows and one of 300 (cut into
     several items; the swapped scheme's vectors of 4 rows, in blocks of 4, 8 and 12, partial
     ones), 1-45 columns (blocks of 8, 16, 32 and 64 columns, partial ones), within one block of k
@@ -599,7 +599,7 @@ def test_swapped_scheme_sums_to_c_as_through_its_workspace(K):
     block reused from the output cache) still takes them through the workspace (and, with
     vectors of 4 rows, the 16 x 16 transposing store). Both must give the same bits: over one and
     two k blocks (K = 1030, with the partial sums of the first added in the second), groups of
-    1-17 rows (vectors of 2 rows) and one of 8133 (vectors of 4), N = 520 (a slice of 8 columns:
+    1-4 rows (one vector of 4 rows), 5-17 (vectors of 2) and one of 8133 (vectors of 4), N = 520 (a slice of 8 columns:
     half a 16-column block), a bias and both output dtypes. The two paths' agreement with the oracle is tested above (edges, large
     outputs); here the bits."""
     if not has_level("avx512_bf16_swapped"):

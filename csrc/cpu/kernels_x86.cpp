@@ -1826,7 +1826,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 // W (its 4 bf16 of k = 4q .. 4q + 3) meets each row's own 4 k, and the two lanes of a row are
 // added at the end. The price is a group's rows rounded up to a multiple of 4 (1.5 rows per
 // group on average; with 8 rows per vector, one pair each, it was 3.5, and G=256 with equal
-// groups of 12 rows took as long as with 16); groups of fewer than kVbsPairRowsBelow rows take
+// groups of 12 rows took as long as with 16); groups of 5 to kVbsPairRowsBelow - 1 rows take
 // vectors of 2 rows x 4 pairs instead (lanes 4i .. 4i + 3: row i, pairs 4q .. 4q + 3, against a
 // broadcast 128-bit piece of W), rounded up to 2 (VR, the rows per vector, is a template
 // parameter of the functions below). On CPUs that split 512-bit operations into two
@@ -2194,7 +2194,7 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
   }
 }
 
-// Groups of fewer than kVbsPairRowsBelow rows take vectors of 2 rows x 8 k (VR = 2) instead of 4
+// Groups of 5 to kVbsPairRowsBelow - 1 rows take vectors of 2 rows x 8 k (VR = 2) instead of 4
 // rows x 4 k: their rows round up to 2 instead of 4 (equal groups of 13-16 rows took the same
 // time with 4, as did 17-20), for the same multiply-adds per load (a 128-bit broadcast of W
 // instead of 64-bit), but a block covers 6 rows instead of 12, so W is read from L1 twice as
@@ -2206,9 +2206,12 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
 // 3.75 -> 3.72 ms (Dirichlet sizes), 3.50 -> 3.44 ms (groups of 16), 3.39 -> 3.08 ms (groups of
 // 13); G=64, M=2048, K=N=512 3.31 -> 3.29 / 3.28 ms; Qwen3-30B-A3B /4 2.59 -> 2.53, 2.71 -> 2.66
 // ms; GPT-OSS-20B /4 6.50 -> 6.36, 6.54 -> 6.33 ms; DeepSeek-V3 /16, OLMoE /2, G=8 and Mixtral
-// /4 level. With the cut at 48 rows: the same within the noise.
+// /4 level. With the cut at 48 rows: the same within the noise. Groups of 1-4 rows (decode) keep
+// one vector of 4 rows, as measured for decode (see vbs_task): with vectors of 2, benchmarks/
+// decode.py's GPT-OSS-20B at 1 token measured 3501-3782 against 3452-3546 us (three runs each,
+// a slow hour of the host), DeepSeek-V3 /4 level.
 constexpr int64_t kVbsPairRowsBelow = 64;
-bool vbs_pair_rows(const Task& t) { return t.m < kVbsPairRowsBelow; }
+bool vbs_pair_rows(const Task& t) { return t.m > kGemvRows && t.m < kVbsPairRowsBelow; }
 
 bool uses_amx(Isa isa, Dt in) { return isa == Isa::amx && in == Dt::bf16; }
 bool uses_pairs(Isa isa, Dt in) { return isa == Isa::avx512bf16 && in == Dt::bf16; }
