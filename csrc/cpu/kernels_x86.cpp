@@ -2206,8 +2206,9 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
 // 3.75 -> 3.72 ms (Dirichlet sizes), 3.50 -> 3.44 ms (groups of 16), 3.39 -> 3.08 ms (groups of
 // 13); G=64, M=2048, K=N=512 3.31 -> 3.29 / 3.28 ms; Qwen3-30B-A3B /4 2.59 -> 2.53, 2.71 -> 2.66
 // ms; GPT-OSS-20B /4 6.50 -> 6.36, 6.54 -> 6.33 ms; DeepSeek-V3 /16, OLMoE /2, G=8 and Mixtral
-// /4 level. With the cut at 48 rows: the same within the noise. Groups of 1-4 rows (decode) keep
-// one vector of 4 rows, as measured for decode (see vbs_task): with vectors of 2, benchmarks/
+// /4 level (groups of 1-4 rows on 2-row vectors too then). With the cut at 48 rows: the same
+// within the noise. Groups of 1-4 rows (decode) keep one vector of 4 rows, as measured for decode
+// (see vbs_task; at G=256 with Dirichlet sizes level either way): with vectors of 2, benchmarks/
 // decode.py's GPT-OSS-20B at 1 token measured 3501-3782 against 3452-3546 us (three runs each,
 // a slow hour of the host), DeepSeek-V3 /4 level.
 constexpr int64_t kVbsPairRowsBelow = 64;
