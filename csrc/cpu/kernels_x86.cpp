@@ -1629,6 +1629,10 @@ inline void warm_pages(const void* p, int64_t rows, int64_t stride, int64_t run)
 struct PfRun {
   const char* first;  // first cache line
   int64_t lines;
+  // All the run's lines into L2 at once (a prefetch never faults).
+  void to_l2() const {
+    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(first + 64 * l, _MM_HINT_T1);
+  }
 };
 
 struct PrefetchBlock {
@@ -1806,8 +1810,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
         const RawPanel raw{(const char*)t.b + (k0 * U * t.b_sk + col0) * esz, t.b_sk, K - k0 * U, nc,
                            rows > kMR ? (float*)(bp + sb * kc * NR) : nullptr};
         for (int64_t mb = 0; mb < rows; mb += kMR) {
-          const PfRun pa = a_ahead.take();
-          for (int64_t l = 0; l < pa.lines; ++l) _mm_prefetch(pa.first + 64 * l, _MM_HINT_T1);
+          a_ahead.take().to_l2();
           rows_block(mb, col0, nc, bp + sb * kc * NR, k0, kc, part + (mb * nsub + sb * kMR) * NR, bias + sb * NR,
                      ahead.take(), from_rows && mb == 0 ? &raw : nullptr);
         }
@@ -1852,9 +1855,9 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 constexpr int64_t kVbsCols = 8;    // columns of C (rows of W) per register block of 2-3 vectors
 constexpr int64_t kVbsSlice = 32;  // columns of C per stored block (store_block_transposed's fast case)
 // k per block (1024: 256 quads, 128 octets): 2 KiB of each of 8-16 rows of W. Measured (2
-// threads, forward, one process alternating, caches flushed between calls), 64 / 128 / 256 quads: G=64, M=2048,
-// K=N=512 x1.48 / x1.41 / -; G=256, M=4096, K=512, N=256 x1.89 / x1.79 / -; OLMoE /2 (K=1024)
-// x1.36 / x1.30 / x1.25; G=8, M=4096, K=1024, N=2048 x1.13 / x1.08 / x1.05 (fewer passes over
+// threads, forward, one process alternating, caches flushed between calls), 64 / 128 / 256
+// quads: G=64, M=2048, K=N=512 x1.48 / x1.41 / -; G=256, M=4096, K=512, N=256 x1.89 / x1.79 /
+// -; OLMoE /2 (K=1024) x1.36 / x1.30 / x1.25; G=8, M=4096, K=1024, N=2048 x1.13 / x1.08 / x1.05 (fewer passes over
 // the partial sums); at K=2048 and 4096, 128-1024 quads within the noise.
 constexpr int64_t kVbsKC = 1024;
 
@@ -2085,8 +2088,8 @@ constexpr int64_t kVbsStageStride = kVbsKC + 32;  // elements of a staged row: o
 constexpr int64_t kVbsStageMinRows = 32;
 bool vbs_staged(const Task& t, int64_t rows) { return w_rows_share_l1_set(t) && rows >= kVbsStageMinRows; }
 
-// Bytes of vbs_item's workspace for items of up to `rows` rows: A packed, the C^T slice, the
-// bias of a slice, 16 staged rows of W, and alignment.
+// Bytes of vbs_item's workspace for items of up to `rows` rows: A packed (either vector
+// layout), the slice's sums (blk), the bias of a slice, 16 staged rows of W, and alignment.
 int64_t vbs_workspace(int64_t rows, int64_t K) {
   return (round_up(rows, 16) * (ceil_div(K, 4) * 2 + 4) + round_up(rows, 16) * kVbsSlice + kVbsSlice) * 4 +
          2 * kVbsCols * kVbsStageStride * 2 + 4 * 64;
@@ -2097,6 +2100,9 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
   constexpr int64_t KS = 16 / VR, KC = kVbsKC / KS;  // k per step; steps per k block
   const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, KQ = ceil_div(K, KS);
   const int64_t ldb = VR == 4 ? round_up(rows, 16) : kVbsSlice;
+  // blk's layout (vbs_block): C^T with vectors of 4 rows, rows of C with vectors of 2.
+  const int64_t blk_row = VR == 4 ? 1 : ldb, blk_col = VR == 4 ? ldb : 1;
+  constexpr int64_t osz = sizeof(typename Ty<O>::T);
   auto align = [](void* p) { return (float*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
   uint32_t* ap = (uint32_t*)align(ws);
   float* blk = align(ap + round_up(rows, VR) * KQ * (8 / VR));
@@ -2105,8 +2111,9 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
   const bool staged = vbs_staged(t, rows);
   // Sums to C from the register blocks (vbs_put) rather than through blk and
   // store_block_transposed, which remains for streamed or n-strided outputs. Measured with the
-  // next item's rows prefetched (below) and vbs_pack_a's stores spelled out (2 threads, forward, [G, N, K] weights, Dirichlet sizes, one process
-  // alternating, caches flushed, 16 rounds, medians, 2026-12-01), before -> after: G=64, M=2048,
+  // next item's rows prefetched (below) and vbs_pack_a's stores spelled out (2 threads, forward,
+  // [G, N, K] weights, Dirichlet sizes, one process alternating, caches flushed, 16 rounds,
+  // medians, 2026-12-01; vectors of 4 rows), before -> after: G=64, M=2048,
   // K=N=512 3.32 -> 3.17 ms; G=256, M=4096, K=512, N=256 3.99 -> 3.75 ms; Qwen3-30B-A3B /4 2.74 ->
   // 2.53 ms; DeepSeek-V3 /16 2.02 -> 1.89 ms; Mixtral /4 19.36 -> 18.69 ms; OLMoE /2 11.46 ->
   // 11.18 ms; GPT-OSS-20B /4 6.40 -> 6.29 ms; G=8, M=4096, K=1024, N=2048 level. This one alone:
@@ -2131,8 +2138,7 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
     // The next slice's rows of W (past the task's end: the next group's, which this thread
     // usually takes next), into L2 while this one computes.
     PrefetchBlock ahead(t.b, (col0 + kVbsSlice) * t.b_sn * 2, kVbsSlice, t.b_sn * 2, K * 2, calls);
-    const PfRun rows_ahead = next_rows.take();
-    for (int64_t l = 0; l < rows_ahead.lines; ++l) _mm_prefetch(rows_ahead.first + 64 * l, _MM_HINT_T1);
+    next_rows.take().to_l2();
     warm_pages((const char*)t.b + (col0 + 2 * kVbsSlice) * t.b_sn * 2, kVbsSlice, t.b_sn * 2, K * 2);
     if (K == 0) memset(blk, 0, sizeof(float) * kVbsSlice * round_up(rows, 16));
     for (int64_t q0 = 0; q0 < KQ; q0 += KC) {
@@ -2157,10 +2163,10 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
         for (int64_t r0 = 0; r0 < rows;) {
           const int64_t mv = vbs_vectors<VR>(rows - r0);
           const uint32_t* a = ap + (r0 / VR) * KQ * 8 + q0 * 8;
-          float* bk = VR == 4 ? blk + c0 * ldb + r0 : blk + r0 * ldb + c0;
+          float* bk = blk + r0 * blk_row + c0 * blk_col;
           VbsOut o;
           if (direct && q0 + kc == KQ) {
-            o.c = (char*)t.c + ((it.m0 + r0) * t.c_sm + col0 + c0) * (O == Dt::f32 ? 4 : 2);
+            o.c = (char*)t.c + ((it.m0 + r0) * t.c_sm + col0 + c0) * osz;
             o.c_sm = t.c_sm;
             o.rows = rows - r0;
             o.cols = nc - c0;
@@ -2174,10 +2180,10 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
           }
           for (int h = 0; h < (two ? 2 : 1); ++h) {
             const uint16_t* const* wh = w + h * kVbsCols;
-            float* bh = bk + h * kVbsCols * (VR == 4 ? ldb : 1);
+            float* bh = bk + h * kVbsCols * blk_col;
             VbsOut oh = o;
             if (oh.c) {
-              oh.c = (char*)oh.c + h * kVbsCols * (O == Dt::f32 ? 4 : 2);
+              oh.c = (char*)oh.c + h * kVbsCols * osz;
               oh.cols -= h * kVbsCols;
               oh.bias += h * kVbsCols;
             }
