@@ -599,9 +599,9 @@ def test_swapped_scheme_sums_to_c_as_through_its_workspace(K):
     block reused from the output cache) still takes them through the workspace (and, with
     vectors of 4 rows, the 16 x 16 transposing store). Both must give the same bits: over one and
     two k blocks (K = 1030, with the partial sums of the first added in the second), groups of
-    1-4 rows (one vector of 4 rows), 5-17 (vectors of 2) and one of 8133 (vectors of 4), N = 520 (a slice of 8 columns:
-    half a 16-column block), a bias and both output dtypes. The two paths' agreement with the oracle is tested above (edges, large
-    outputs); here the bits."""
+    1-4 rows (one vector of 4 rows), 5-17 (vectors of 2) and one of 8133 (vectors of 4), N = 520
+    (a slice of 8 columns: half a 16-column block), a bias and both output dtypes. The two paths'
+    agreement with the oracle is tested above (edges, large outputs); here the bits."""
     if not has_level("avx512_bf16_swapped"):
         pytest.skip(f"this CPU has no avx512_bf16 (best: {torch.ops.moe_cpu.machine()})")
     gen = torch.Generator().manual_seed(K)
