@@ -422,12 +422,20 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
 // Groups with at least this many multiply-adds go to ATen's mm with all threads, one after the
 // other; the rest share one parallel region of items. Only for out_dtype == input dtype and no
 // bias (ATen has no bf16 x bf16 -> fp32 mm, and the bias must be added before the one rounding).
-// * fp32, from 2^26 multiply-adds (m >= 64 rows at K = 1024, N = 1024), to MKL: its sgemm is
-//   faster per FLOP than our FMA kernel, so at K >= 1024 the items only win on small groups.
-//   Measured here (2 threads, 15 interleaved rounds, medians, time / dense mm), 2^28 -> 2^26:
-//   OLMoE /2 (G=64, M=4096, K=1024, N=512) fwd x2.24 -> x2.10 (torch._grouped_mm x2.15);
-//   Mixtral /4 (G=8, M=1024, K=1024, N=3584) fwd x1.52 -> x1.46 (x1.55); G=64, M=2048,
-//   K=N=512 x2.39 -> x2.30 (x3.08). All groups through MKL: x2.03, x1.46, x3.11.
+// * fp32, from 2^26 multiply-adds (m >= 64 rows at K = 1024, N = 1024), to MKL, except on
+//   Zen 4 (half_width_cpu) at the AVX-512 level. Measured on an Intel AMX-class VM (2026-11-29;
+//   2 threads, 15 interleaved rounds, medians, time / dense mm), 2^28 -> 2^26: OLMoE /2 (G=64,
+//   M=4096, K=1024, N=512) fwd x2.24 -> x2.10 (torch._grouped_mm x2.15); Mixtral /4 (G=8,
+//   M=1024, K=1024, N=3584) fwd x1.52 -> x1.46 (x1.55); G=64, M=2048, K=N=512 x2.39 -> x2.30
+//   (x3.08). All groups through MKL: x2.03, x1.46, x3.11. On a Zen 4 VM (2026-12-01; 2 threads,
+//   caches flushed between calls, group sizes drawn per call, medians of 8) the FMA items have
+//   since caught up (single group, warm: 178-206 GFLOP/s against MKL's 148-195 at m = 64-2048),
+//   and every group on the items beat this path: G=8, M=4096, K=1024, N=2048 fwd 96.9 -> 90.9 ms,
+//   dgrad 100.0 -> 93.6, wgrad 92.9 -> 88.9 (dense 89.5-103); Mixtral /4 (M=2048) fwd 49.0 ->
+//   41.1, dgrad 48.3 -> 41.3, wgrad 43.7 -> 37.4; OLMoE /2 fwd 26.6 -> 24.9, dgrad 24.9 -> 22.4;
+//   GPT-OSS /4 fwd 15.1 -> 13.3; smaller experts level. Not re-measured on Intel. At the generic
+//   level (ATen's mm per item; MKL capped to AVX2 on the same VM) the two were within 3-7% either
+//   way, so that level keeps this path.
 // * bf16, from 2^28, to oneDNN, but only on CPUs with neither AMX nor AVX512-BF16. With AMX every
 //   group runs on our items (amx_item_panels for large ones): oneDNN generates code for every new
 //   group size (its primitive cache is keyed by the shape), and in a MoE layer the sizes change
@@ -488,7 +496,8 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   }
   std::vector<Task> small;
   const bool whole_groups_ok =
-      out_dtype == dtype && (dtype == at::kFloat || (dtype == at::kBFloat16 && isa < Isa::avx512bf16));
+      out_dtype == dtype && ((dtype == at::kFloat && (isa == Isa::generic || !half_width_cpu())) ||
+                             (dtype == at::kBFloat16 && isa < Isa::avx512bf16));
   for (const Task& t : p.tasks) {
     if (whole_groups_ok && t.bias == nullptr && is_big(t, dtype)) {
       run_big(dtype, t);
