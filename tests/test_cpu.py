@@ -315,17 +315,18 @@ def test_bf16_kernels_on_row_and_column_edges(level, K):
                                              (torch.float16, torch.float32), (torch.bfloat16, None)], ids=str)
 def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     """Groups of 1-4 rows (decode) on the FMA path: dot products along k with k-contiguous
-    weights ([G, N, K] viewed as [G, K, N]), rows of W streamed with n-contiguous ones ([G, K, N]);
-    larger groups the blocked kernel. A call mixing both, with a bias, K not a multiple of 16,
-    columns not a multiple of 4, a strided mat_a and empty groups, against the oracle, and bitwise
-    identical for any thread count (the kernel is chosen per group, not per item)."""
+    weights ([G, N, K] viewed as [G, K, N]; fp32 up to 8 rows, in two passes of 4), rows of W
+    streamed with n-contiguous ones ([G, K, N]); larger groups the blocked kernel. A call mixing
+    both, with a bias, K not a multiple of 16, columns not a multiple of 4, a strided mat_a and
+    empty groups, against the oracle, and bitwise identical for any thread count (the kernel is
+    chosen per group, not per item)."""
     if torch.ops.moe_cpu.machine() == "generic":
         pytest.skip("this CPU has no AVX-512: the dot-product kernel is x86 AVX-512 code")
     gen = torch.Generator().manual_seed(5)
-    G, K, N = 12, 83, 45
-    # 0-8 rows: both kernels; few groups, so that with more threads the larger ones are cut into
-    # items of fewer rows (which must not change their kernel).
-    sizes = torch.randint(0, 9, (G,), generator=gen)
+    G, K, N = 14, 83, 45
+    # 0-11 rows: both kernels (every size from 4 to 9 once); few groups, so that with more threads
+    # the larger ones are cut into items of fewer rows (which must not change their kernel).
+    sizes = torch.cat([torch.arange(4, 10), torch.randint(0, 12, (G - 6,), generator=gen)])
     offs = torch.cumsum(sizes, 0).to(torch.int32)
     M = int(offs[-1]) + 3  # trailing rows
     a = torch.randn(M, 2 * K, generator=gen).to(dtype)[:, ::2]

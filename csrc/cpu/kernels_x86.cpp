@@ -15,9 +15,9 @@
 // (amx_item_panels). With AVX512-BF16 on CPUs that split 512-bit operations in two
 // (Task::bf16_swapped), bf16 with k-contiguous operands takes vbs_item instead: C^T = W @ A^T with
 // rows of A in 256-bit lanes and the weights read in place (see "VB, swapped"). Groups of one to
-// four rows (decode) take gemv_item (dot products along k, k-contiguous weights; with the swapped
-// scheme only where rows of W are a multiple of 4 KiB apart, see vbs_task) or gemvt_item (rows
-// of W streamed, n-contiguous weights) instead. Every
+// four rows (decode; fp32 up to eight) take gemv_item (dot products along k, k-contiguous
+// weights; with the swapped scheme only where rows of W are a multiple of 4 KiB apart, see
+// vbs_task) or gemvt_item (rows of W streamed, n-contiguous weights) instead. Every
 // element of C in the item is written, so the output never needs a zero fill; k == 0 gives the
 // bias or zeros.
 //
@@ -284,9 +284,10 @@ void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* ds
 }
 
 // ---------------------------------------------------------------------------------------------
-// Groups of one to four rows (decode): dot products along k, or the rows of B streamed.
+// Groups of one to four rows (decode; fp32 up to eight with k-contiguous weights): dot products
+// along k, or the rows of B streamed.
 
-// Groups of at most kGemvRows rows with k-contiguous weights (decode: one token sends one row to
+// Groups of at most kGemvRows rows (kGemvRowsF32 for fp32) with k-contiguous weights (decode: one token sends one row to
 // each of its top-k experts): C[m, n] = A[m, :] . W[n, :] as dot products along k. Each row of
 // W is read once, in memory order, four rows at a time (four sequential streams the hardware
 // prefetchers follow); the group's rows of A, converted to fp32 once, stay in L1. The blocked
@@ -304,6 +305,20 @@ void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* ds
 // into items. bf16 with the swapped VDPBF16PS scheme (AMD Zen 4) takes this only where the rows of
 // W are a multiple of 4 KiB apart (see vbs_task).
 constexpr int64_t kGemvRows = 4;
+// fp32 on the FMA path: groups of up to 8 rows, in two passes of 4 over each block of W's rows.
+// The blocked kernel transpose-packs every 64 x K panel of W for its few rows: with one weight
+// matrix shared by all groups (the compute alone; G=256, K=512, N=256, 2 threads, caches
+// flushed) groups of 4 rows took 1.94 ms here and groups of 5 on the blocked kernel 4.03 ms
+// (dense 1.65 / 2.22 ms). Measured on the Zen 4 VM (2 threads, one process alternating, caches
+// flushed, 10-12 rounds, medians, 2026-12-01), blocked -> this, every group of G=256, K=512,
+// N=256 of 5 / 6 / 7 / 8 rows: 9.19 / 8.36 / 9.47 / 8.59 -> 5.86 / 5.54 / 5.77 / 6.03 ms (the
+// 128 MiB of weights at ~26 GB/s take 5.0); 9-12 rows in three passes: level or
+// slower (6.76 / 7.38 / 7.18 / 7.51 -> 6.85 / 7.03 / 7.46 / 7.93), hence 8. The forward
+// shapes (Dirichlet sizes): G=256 9.98 -> 9.83 ms, DeepSeek-V3 /16 4.90 -> 4.78, the rest level;
+// decode ([G, N, K] weights, 16 / 32 tokens): Mixtral 92.9 / 118.7 -> 68.1 / 88.7 ms,
+// GPT-OSS-20B 27.4 / 43.2 -> 26.2 / 33.7, OLMoE-1B-7B 15.9 / 21.1 -> 15.5 / 15.3, Qwen3-30B-A3B
+// 18.6 / 23.1 -> 17.9 / 21.4, DeepSeek-V3 /4 level. bf16 and fp16 not measured: they keep 4.
+constexpr int64_t kGemvRowsF32 = 8;
 constexpr int64_t kGemvAmxMinK = 4096;  // see amx_item
 // Rows of W ahead (the next block of four) that gemv_block prefetches into L2, one line per line
 // it reads. Without it every row of K >= 2048 bf16 starts a fresh 4 KiB page that the hardware
@@ -354,15 +369,23 @@ inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t l
 
 template <Dt D, Dt O, int R>
 void gemv_rows(const Task& t, const Item& it, const float* ap, int64_t lda) {
+  // Up to 4 rows per pass over a block of W's rows; rows 4-7 in a second pass while those rows
+  // are still in L1 (each row's sums do not depend on which pass it is in).
+  constexpr int R0 = R > 4 ? 4 : R, R1 = R - R0;
+  static_assert(R1 <= 4, "at most kGemvRowsF32 rows");
+  Item hi = it;
+  hi.m0 += R0;
   alignas(64) float bias[16];
   for (int64_t n = it.n0; n < it.n1;) {
     if (it.n1 - n >= 4) {
       load_bias<D>(t, n, 4, bias, 16);
-      gemv_block<D, O, R, 4>(t, it, ap, lda, n, bias);
+      gemv_block<D, O, R0, 4>(t, it, ap, lda, n, bias);
+      if constexpr (R1 > 0) gemv_block<D, O, R1, 4>(t, hi, ap + R0 * lda, lda, n, bias);
       n += 4;
     } else {
       load_bias<D>(t, n, 1, bias, 16);
-      gemv_block<D, O, R, 1>(t, it, ap, lda, n, bias);
+      gemv_block<D, O, R0, 1>(t, it, ap, lda, n, bias);
+      if constexpr (R1 > 0) gemv_block<D, O, R1, 1>(t, hi, ap + R0 * lda, lda, n, bias);
       n += 1;
     }
   }
@@ -385,6 +408,10 @@ void gemv_item(const Task& t, const Item& it, void* ws) {
   const int64_t rows = it.m1 - it.m0, lda = round_up(t.k, 16);
   const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
   switch (rows) {
+    case 8: gemv_rows<D, O, 8>(t, it, ap, lda); break;
+    case 7: gemv_rows<D, O, 7>(t, it, ap, lda); break;
+    case 6: gemv_rows<D, O, 6>(t, it, ap, lda); break;
+    case 5: gemv_rows<D, O, 5>(t, it, ap, lda); break;
     case 4: gemv_rows<D, O, 4>(t, it, ap, lda); break;
     case 3: gemv_rows<D, O, 3>(t, it, ap, lda); break;
     case 2: gemv_rows<D, O, 2>(t, it, ap, lda); break;
@@ -1730,7 +1757,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
   constexpr int64_t NR = 4 * VT::L, U = VT::kPairs ? 2 : 1;
   const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, KU = ceil_div(K, U), lda = fma_lda<S>(KU);
   if constexpr (sizeof(S) == 4) {
-    if (t.b_sk == 1 && t.b_sn != 1 && t.m <= kGemvRows) {
+    if (t.b_sk == 1 && t.b_sn != 1 && t.m <= (D == Dt::f32 ? kGemvRowsF32 : kGemvRows)) {
       gemv_item<D, O>(t, it, ws);
       return;
     }
