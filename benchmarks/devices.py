@@ -78,6 +78,10 @@ class Cpu(Device):
             out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
             info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
             model = info.get("Model name", model).strip()
+            # "AMD EPYC" names Zen 4 (family 25) and Zen 5 (family 26) alike, and the kernels pick
+            # their schemes by family: say which.
+            if "CPU family" in info:
+                model += f" (family {info['CPU family'].strip()}, model {info.get('Model', '?').strip()})"
             flags = set(info.get("Flags", "").split())
         except (OSError, subprocess.SubprocessError, ValueError):
             pass
