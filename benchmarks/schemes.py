@@ -1,19 +1,20 @@
-"""CPU bf16: the two AVX512-BF16 schemes for k-contiguous weights, side by side in one process.
+"""CPU bf16: the AVX512-BF16 schemes for k-contiguous weights, side by side in one process.
 
     python benchmarks/schemes.py [--threads 2] [--rounds 20] [--shared] [--out DIR]
 
 On CPUs with AVX512-BF16 and no AMX the CPU kernel computes bf16 with [G, N, K] weights (viewed
 as [G, K, N]: k-contiguous) either directly (columns of C in 512-bit lanes, every group's
-weights transpose-packed) or swapped (C^T = W @ A^T, rows of A in 256-bit lanes, the weights
-read in place); the CPU picks one (README, "AMD EPYC (Zen 4)"). This forces each through the
-op's private ``bf16_scheme`` argument and times the forward of the issue's and the models'
-shapes: each round runs the dense roofline (one ``torch.mm`` with the same M, K, N) and both
-schemes in a fresh seeded order, each call with its own Dirichlet draw of group sizes and,
-unless --flush-mib 0, after writing that many MiB so that no call finds the weights of the one
-before in cache. Whole runs of bench.py move by up to a quarter on a shared VM; two variants
-alternating call by call in one process see the same machine. Reported per shape: medians, the
-ratio of each scheme to the dense roofline, and swapped / direct. --shared gives all groups one
-weight matrix (an expanded view), which stays in cache: the compute alone. Writes
+weights transpose-packed) or swapped (C^T = W @ A^T, the weights read in place), with the rows
+of A in 256-bit lanes ("swapped") or 512-bit ones ("swapped512"); the CPU picks one (README,
+"AMD EPYC (Zen 4)" and "AMD EPYC (Zen 5)"). This forces each through the op's private
+``bf16_scheme`` argument and times the forward of the issue's and the models' shapes: each round
+runs the dense roofline (one ``torch.mm`` with the same M, K, N) and the three schemes in a fresh
+seeded order, each call with its own Dirichlet draw of group sizes and, unless --flush-mib 0,
+after writing that many MiB so that no call finds the weights of the one before in cache. Whole
+runs of bench.py move by up to a quarter on a shared VM; variants alternating call by call in
+one process see the same machine. Reported per shape: medians, the ratio of each scheme to the
+dense roofline, and each swapped scheme's time over the direct one's. --shared gives all groups
+one weight matrix (an expanded view), which stays in cache: the compute alone. Writes
 ``schemes.json`` to --out.
 """
 
@@ -36,7 +37,8 @@ import moe_ops  # noqa: E402
 from cases import ISSUE_SHAPES, QUICK_SHAPES, Shape, dirichlet_offs, make_tensors, model_shapes  # noqa: E402
 from devices import tensor_pages  # noqa: E402
 
-SCHEMES = {"direct": 0, "swapped": 1}
+SCHEMES = {"direct": 0, "swapped": 1, "swapped512": 2}
+DEFAULT = {0: "direct", 1: "swapped", 2: "swapped512"}
 DENSE = "dense torch.mm"
 
 
@@ -69,7 +71,8 @@ def time_shape(shape: Shape, rounds: int, flush: torch.Tensor | None, shared: bo
                 times[n].append(time.perf_counter() - t0)
     med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
     return {"shape": shape.name, "G": shape.G, "M": shape.M, "K": shape.K, "N": shape.N, "median_ms": med,
-            "ratio": {n: med[n] / med[DENSE] for n in SCHEMES}, "swapped_over_direct": med["swapped"] / med["direct"],
+            "ratio": {n: med[n] / med[DENSE] for n in SCHEMES},
+            "over_direct": {n: med[n] / med["direct"] for n in SCHEMES if n != "direct"},
             "rounds": rounds}
 
 
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
         return 0
     machine = torch.ops.moe_cpu.machine()
     if machine != "avx512_bf16":
-        print(f"schemes: this CPU's bf16 kernel level is {machine!r}; the two schemes exist only on 'avx512_bf16' "
+        print(f"schemes: this CPU's bf16 kernel level is {machine!r}; the schemes exist only on 'avx512_bf16' "
               "(AVX512-BF16 without AMX): nothing to compare")
         return 0
     kinds = [k for k in args.shapes.split(",") if k]
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
     flush = torch.zeros(args.flush_mib << 20, dtype=torch.uint8) if args.flush_mib > 0 else None
     pages = tensor_pages()
     print(f"schemes: {torch.get_num_threads()} threads, default here: "
-          f"{'swapped' if torch.ops.moe_cpu.bf16_swapped() else 'direct'}"
+          f"{DEFAULT[torch.ops.moe_cpu.bf16_scheme()]}"
           + (f", {pages}" if pages else "") + (", one shared weight matrix" if args.shared else "")
           + (f", {args.flush_mib} MiB written before each call" if flush is not None else ""))
     rows = []
@@ -107,12 +110,13 @@ def main(argv=None) -> int:
         row = time_shape(shape, args.rounds, flush, args.shared, seed=i)
         rows.append(row)
         med, ratio = row["median_ms"], row["ratio"]
-        print(f"{shape.name:22s} dense {med[DENSE]:8.2f} ms | direct {med['direct']:8.2f} ms x{ratio['direct']:.2f} | "
-              f"swapped {med['swapped']:8.2f} ms x{ratio['swapped']:.2f} | swapped/direct {row['swapped_over_direct']:.2f}")
+        print(f"{shape.name:22s} dense {med[DENSE]:7.2f} ms | "
+              + " | ".join(f"{n} {med[n]:7.2f} ms x{ratio[n]:.2f}" for n in SCHEMES) + " | over direct "
+              + " / ".join(f"{v:.2f}" for v in row["over_direct"].values()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "pages": pages, "shared": args.shared,
-            "flush_mib": args.flush_mib, "default": "swapped" if torch.ops.moe_cpu.bf16_swapped() else "direct"}
+            "flush_mib": args.flush_mib, "default": DEFAULT[torch.ops.moe_cpu.bf16_scheme()]}
     (out / "schemes.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     print(f"wrote {out / 'schemes.json'}")
     return 0

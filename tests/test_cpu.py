@@ -49,10 +49,13 @@ pytestmark = pytest.mark.skipif(cpu_backend.status().mode is None,
                                 reason=f"backend cpu cannot run here: {cpu_backend.status().detail}")
 
 ISA = {"generic": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
-# The kernel levels the tests run: every instruction set, and both bf16 schemes of AVX512-BF16
-# (the op's bf16_scheme: 0 direct, 1 swapped; the machine picks one, tests force each).
+# The kernel levels the tests run: every instruction set, and the three bf16 schemes of
+# AVX512-BF16 (the op's bf16_scheme: 0 direct, 1 swapped in 256-bit lanes, 2 swapped in 512-bit
+# lanes; the machine picks one, tests force each, on any CPU with AVX512-BF16).
 LEVELS = {"generic": ("generic", -1), "avx512": ("avx512", -1), "avx512_bf16": ("avx512_bf16", 0),
-          "avx512_bf16_swapped": ("avx512_bf16", 1), "amx": ("amx", -1)}
+          "avx512_bf16_swapped": ("avx512_bf16", 1), "avx512_bf16_swapped512": ("avx512_bf16", 2),
+          "amx": ("amx", -1)}
+SWAPPED = ("avx512_bf16_swapped", "avx512_bf16_swapped512")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -135,16 +138,20 @@ def test_extension_serves_the_op_forward_and_backward():
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() not in ("x86_64", "AMD64"),
                     reason="reads the CPU vendor and family from Linux's /proc/cpuinfo on x86-64")
 def test_bf16_scheme_follows_the_cpu_family_and_is_reported():
-    """The swapped bf16 scheme is the default exactly on AMD family 25 (0x19, Zen 4: 512-bit
-    operations as two 256-bit halves), as /proc/cpuinfo names it (the kernel decodes CPUID
-    itself), and `python -m moe_ops`'s CPU line says so where bf16 runs on AVX512-BF16."""
+    """The swapped bf16 scheme in 256-bit lanes is the default exactly on AMD family 25 (0x19, Zen
+    4: 512-bit operations as two 256-bit halves), as /proc/cpuinfo names it (the kernel decodes
+    CPUID itself), in 512-bit lanes everywhere else, and `python -m moe_ops`'s CPU line says which
+    where bf16 runs on AVX512-BF16."""
     with open("/proc/cpuinfo") as f:
         first_cpu = f.read().split("\n\n")[0]
     info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
     zen4_family = info["vendor_id"] == "AuthenticAMD" and int(info["cpu family"]) == 25
-    assert torch.ops.moe_cpu.bf16_swapped() == zen4_family
-    said = "swapped scheme" in cpu_backend.status().detail
-    assert said == (zen4_family and torch.ops.moe_cpu.machine() == "avx512_bf16")
+    assert torch.ops.moe_cpu.bf16_scheme() == (1 if zen4_family else 2)
+    detail = cpu_backend.status().detail
+    if torch.ops.moe_cpu.machine() == "avx512_bf16":
+        assert f"swapped scheme (rows in {256 if zen4_family else 512}-bit lanes" in detail
+    else:
+        assert "swapped scheme" not in detail
 
 
 def test_gradcheck_through_the_native_kernel():
@@ -280,7 +287,7 @@ def test_weight_gradient_x_transposed_is_packed_k_major(isa, dtype):
 
 
 @pytest.mark.parametrize("K", [1, 31, 127, 128, 257, 515, 1030])
-@pytest.mark.parametrize("level", machine_levels(("avx512_bf16", "avx512_bf16_swapped")))
+@pytest.mark.parametrize("level", machine_levels(("avx512_bf16",) + SWAPPED))
 def test_bf16_kernels_on_row_and_column_edges(level, K):
     """The AVX512-BF16 kernels on both weight layouts. [G, N, K] transposed (k-contiguous): both
     schemes, with K % 4 of 1, 2 and 3 (the swapped scheme reads the last 4 k of a row of W
@@ -337,20 +344,20 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     bias = torch.randn(G, N, generator=gen).to(dtype)
     # bf16 reaches these paths only below AMX: with plain AVX-512 (fp32 FMA) and with AVX512-BF16
     # (the larger groups on VDPBF16PS), where the machine has it.
-    isas = ["amx"] if dtype != torch.bfloat16 else [i for i in ("avx512", "avx512_bf16", "avx512_bf16_swapped")
-                                                      if has_level(i)]
+    isas = ["amx"] if dtype != torch.bfloat16 else [i for i in ("avx512", "avx512_bf16") + SWAPPED if has_level(i)]
     for isa in isas:
         out = run_any_threads((a, b, offs, bias, out_dtype), isa)
         check(out, a, b, offs, bias, out_dtype, what=f"{isa} {dtype} {out_dtype}")
 
 
+@pytest.mark.parametrize("level", SWAPPED)
 @pytest.mark.parametrize("row_bytes", [4096, 4096 + 64, 2048])
-def test_swapped_groups_of_up_to_four_rows_by_weight_row_stride(row_bytes):
-    """With the swapped bf16 scheme, groups of 1-4 rows run on its own kernel unless the rows of W
-    are a multiple of 4 KiB apart (they would share L1 sets): then on the dot products, as the
+def test_swapped_groups_of_up_to_four_rows_by_weight_row_stride(row_bytes, level):
+    """With either swapped bf16 scheme, groups of 1-4 rows run on its own kernel unless the rows of
+    W are a multiple of 4 KiB apart (they would share L1 sets): then on the dot products, as the
     direct scheme runs them, bit for bit. Next to larger groups, a bias, both output dtypes,
     against the oracle, and bitwise identical for any thread count."""
-    if not has_level("avx512_bf16_swapped"):
+    if not has_level(level):
         pytest.skip(f"this CPU has no avx512_bf16 (best: {torch.ops.moe_cpu.machine()})")
     gen = torch.Generator().manual_seed(row_bytes)
     G, N, K = 7, 24, 2048 if row_bytes != 2048 else 1000
@@ -362,7 +369,7 @@ def test_swapped_groups_of_up_to_four_rows_by_weight_row_stride(row_bytes):
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     tiny = torch.repeat_interleave(sizes <= 4, sizes)
     for out_dtype in (None, torch.float32):
-        out = run_any_threads((a, b, offs, bias, out_dtype), "avx512_bf16_swapped")
+        out = run_any_threads((a, b, offs, bias, out_dtype), level)
         check(out, a, b, offs, bias, out_dtype, what=f"rows of W {row_bytes} B apart, out {out_dtype}")
         direct = run((a, b, offs, bias, out_dtype), "avx512_bf16")
         same = torch.equal(out[:22][tiny], direct[:22][tiny])
@@ -372,15 +379,16 @@ def test_swapped_groups_of_up_to_four_rows_by_weight_row_stride(row_bytes):
             assert not same, f"rows of W {row_bytes} B apart: the dot products"
 
 
+@pytest.mark.parametrize("level", SWAPPED)
 @pytest.mark.parametrize("K", [2048, 2045])
-def test_swapped_scheme_stages_rows_of_w_4_kib_apart(K):
-    """With the swapped bf16 scheme, items of 32 rows and more whose rows of W are a multiple of
+def test_swapped_scheme_stages_rows_of_w_4_kib_apart(K, level):
+    """With either swapped bf16 scheme, items of 32 rows and more whose rows of W are a multiple of
     4 KiB apart copy each k block of W into the workspace before its row blocks read it: over two
-    k blocks, with K % 4 of 0 and 1 (the last quad masked), groups of 31 rows (read in place) and
+    k blocks, with K % 8 of 0 and 5 (the last quad or octet masked), groups of 31 rows (read in place) and
     32-100, a partial slice of columns, a bias and both output dtypes. Against the oracle, bitwise
     for any thread count, and bitwise equal to the same W with rows 64 bytes further apart (read
     in place: the copy changes no sum)."""
-    if not has_level("avx512_bf16_swapped"):
+    if not has_level(level):
         pytest.skip(f"this CPU has no avx512_bf16 (best: {torch.ops.moe_cpu.machine()})")
     gen = torch.Generator().manual_seed(K)
     sizes = [31, 32, 45, 5, 100, 64]
@@ -396,9 +404,9 @@ def test_swapped_scheme_stages_rows_of_w_4_kib_apart(K):
     bias = torch.randn(G, N, generator=gen).bfloat16()
     for out_dtype in (None, torch.float32):
         b = apart[4096]
-        out = run_any_threads((a, b, offs, bias, out_dtype), "avx512_bf16_swapped")
+        out = run_any_threads((a, b, offs, bias, out_dtype), level)
         check(out, a, b, offs, bias, out_dtype, what=f"K={K} out {out_dtype}")
-        assert torch.equal(out, run((a, apart[4096 + 64], offs, bias, out_dtype), "avx512_bf16_swapped"))
+        assert torch.equal(out, run((a, apart[4096 + 64], offs, bias, out_dtype), level))
 
 
 @pytest.mark.parametrize("weights,K", [("[G,N,K]", 4100), ("[G,K,N]", 300)])
@@ -598,17 +606,18 @@ def test_large_output_in_a_reused_block_is_written_completely(isa, layout, strid
 
 
 @needs_cache
+@pytest.mark.parametrize("level", SWAPPED)
 @pytest.mark.parametrize("K", [512, 1030])
-def test_swapped_scheme_sums_to_c_as_through_its_workspace(K):
-    """With the swapped bf16 scheme the register blocks write their sums to C themselves
+def test_swapped_scheme_sums_to_c_as_through_its_workspace(K, level):
+    """With either swapped bf16 scheme the register blocks write their sums to C themselves
     (transposed in registers, plus bias, rounded once); a streamed output (8 MiB or more in a
-    block reused from the output cache) still takes them through the workspace (and, with
+    block reused from the output cache) still takes them through the workspace (and, with 256-bit
     vectors of 4 rows, the 16 x 16 transposing store). Both must give the same bits: over one and
     two k blocks (K = 1030, with the partial sums of the first added in the second), groups of
-    1-4 rows (one vector of 4 rows), 5-17 (vectors of 2) and one of 8133 (vectors of 4), N = 520
+    1-4 rows (one vector of 4 rows), 5-17 (256-bit: vectors of 2) and one of 8133 (vectors of 4), N = 520
     (a slice of 8 columns: half a 16-column block), a bias and both output dtypes. The two paths'
     agreement with the oracle is tested above (edges, large outputs); here the bits."""
-    if not has_level("avx512_bf16_swapped"):
+    if not has_level(level):
         pytest.skip(f"this CPU has no avx512_bf16 (best: {torch.ops.moe_cpu.machine()})")
     gen = torch.Generator().manual_seed(K)
     sizes = [1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 0, 8133]
@@ -619,11 +628,11 @@ def test_swapped_scheme_sums_to_c_as_through_its_workspace(K):
     bias = torch.randn(G, N, generator=gen).bfloat16()
     for out_dtype in (None, torch.float32):
         moe_ops.empty_cpu_cache()
-        direct = run((a, b, offs, bias, out_dtype), "avx512_bf16_swapped")  # a new block: not streamed
+        direct = run((a, b, offs, bias, out_dtype), level)  # a new block: not streamed
         assert direct.nbytes >= 8 << 20
         block, want = direct.data_ptr(), direct.clone()
         del direct
-        streamed = run((a, b, offs, bias, out_dtype), "avx512_bf16_swapped")
+        streamed = run((a, b, offs, bias, out_dtype), level)
         assert streamed.data_ptr() == block, "the output did not reuse the freed block"
         assert torch.equal(streamed, want), f"K={K} out {out_dtype}: the two stores differ"
 
@@ -1004,7 +1013,8 @@ def test_schemes_benchmark_smoke(tmp_path):
     rows = json.loads((tmp_path / "schemes.json").read_text())["results"]
     assert [row["shape"] for row in rows] == ["quick G4", "quick G32"]
     for row in rows:
-        assert set(row["median_ms"]) == {"dense torch.mm", "direct", "swapped"} and row["swapped_over_direct"] > 0
+        assert set(row["median_ms"]) == {"dense torch.mm", "direct", "swapped", "swapped512"}
+        assert set(row["over_direct"]) == {"swapped", "swapped512"} and min(row["over_direct"].values()) > 0
 
 
 def test_decode_and_host_overhead_benchmarks_smoke(tmp_path):

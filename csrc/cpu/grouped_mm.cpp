@@ -81,8 +81,9 @@ Isa detect_isa_x86() {
 // AMD Zen 4 (family 0x19 with AVX-512) executes a 512-bit operation as two 256-bit halves, so
 // 256-bit VDPBF16PS runs at twice the rate of the 512-bit one: the same multiply-adds per cycle
 // (measured on a Zen 4 VM: 3.62 G zmm / 7.24 G ymm instructions per second, 231 GFLOP/s both).
-// bf16 there takes the kernels' swapped scheme with rows of A in 256-bit lanes (Task::bf16_swapped).
-// Cores with full-width 512-bit units (Intel, Zen 5) keep the 512-bit direct scheme.
+// bf16 there takes the kernels' swapped scheme with rows of A in 256-bit lanes (Task::bf16_scheme).
+// Cores with full-width 512-bit units (Zen 5; Intel Cooper Lake, the one Intel CPU with
+// AVX512-BF16 and no AMX) take it with rows of A in 512-bit lanes (see default_bf16_scheme).
 bool half_width_avx512() {
 #if defined(__x86_64__) || defined(_M_X64)
   unsigned a, b, c, d;
@@ -101,6 +102,19 @@ bool half_width_cpu() {
   static const bool half = half_width_avx512();
   return half;
 }
+
+// The bf16 scheme for k-contiguous operands on AVX512-BF16 without AMX (Task::bf16_scheme): the
+// swapped one in 256-bit lanes where 512-bit operations run as two halves, else in 512-bit lanes.
+// Measured on a 2-core AMD EPYC Zen 5 VM (family 0x1A, 2026-12-01; forward with [G, N, K] weights
+// in 4 KiB pages, 2 threads, the three schemes and a dense torch.mm alternating call by call in one
+// process, 48 MiB written between calls, group sizes drawn anew per call, 10 rounds, medians,
+// ratio to dense; benchmarks/schemes.py), direct / 256-bit swapped / 512-bit swapped: G=8,
+// M=4096, K=1024, N=2048 x1.01 / x1.71 / x0.95; G=64, M=2048, K=N=512 x1.87 / x2.15 / x1.42; G=256,
+// M=4096, K=512, N=256 x2.63 / x2.27 / x1.72; Mixtral /4 x1.28 / x2.01 / x1.11; GPT-OSS-20B /4
+// x2.09 / x2.12 / x1.26; OLMoE /2 x1.42 / x2.01 / x1.21; Qwen3-30B-A3B /4 x1.99 / x2.15 / x1.44;
+// DeepSeek-V3 /16 x2.78 / x2.29 / x1.69. With one weight matrix shared by all groups (the compute
+// alone, 1 thread) 512-bit swapped / direct 0.71-0.95. Cooper Lake: not measured (none here).
+int32_t default_bf16_scheme() { return half_width_cpu() ? kBf16Swapped256 : kBf16Swapped512; }
 
 Isa detect_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -489,10 +503,11 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
   const auto dtype = mat_a.scalar_type();
   const bool stream = p.out.nbytes() >= kStreamBytes && in_reused_block(p.out);
-  const bool swapped = bf16_scheme < 0 ? half_width_cpu() : bf16_scheme == 1;
+  const int32_t scheme = bf16_scheme < 0 ? default_bf16_scheme() : (int32_t)bf16_scheme;
+  TORCH_CHECK(scheme >= kBf16Direct && scheme <= kBf16Swapped512, "moe_cpu.grouped_mm: bf16_scheme");
   for (Task& t : p.tasks) {
     t.stream = stream;
-    t.bf16_swapped = swapped;
+    t.bf16_scheme = scheme;
   }
   std::vector<Task> small;
   const bool whole_groups_ok =
@@ -535,13 +550,14 @@ void register_ops() {
   // isa: -1 = best for this machine, 0 = generic (ATen mm per item), 1 = AVX-512, 2 = AVX-512
   // with AVX512-BF16, 3 = AMX; a value above what the machine has means the best it has.
   // bf16_scheme (bf16 on AVX512-BF16 without AMX, k-contiguous operands): -1 = this CPU's
-  // choice (half_width_avx512), 0 = direct, 1 = swapped.
+  // choice (half_width_avx512), 0 = direct, 1 = swapped in 256-bit lanes, 2 = swapped in 512-bit
+  // lanes.
   def->def("grouped_mm(str layout, Tensor mat_a, Tensor mat_b, Tensor? offs, Tensor? bias, ScalarType out_dtype, "
            "int isa=-1, int bf16_scheme=-1) -> Tensor");
   def->def("kernel_for(ScalarType dtype, int isa=-1) -> str", &kernel_for);
   def->def("machine() -> str", &machine);
-  // Whether bf16 with k-contiguous operands takes the swapped scheme by default here.
-  def->def("bf16_swapped() -> bool", &half_width_cpu);
+  // The bf16 scheme for k-contiguous operands here (the bf16_scheme that -1 means).
+  def->def("bf16_scheme() -> int", [] { return (int64_t)default_bf16_scheme(); });
   // The output cache (output_cache.cpp): [bytes of free blocks held, limit]; empty_cache unmaps
   // the free blocks and returns how many bytes that released.
   def->def("cache_info() -> int[]", &cache_info);

@@ -17,6 +17,7 @@ enum class Dt : int32_t { f32 = 0, bf16 = 1, f16 = 2, f64 = 3 };
 // and later, Intel Cooper Lake; Sapphire Rapids and later have it too, beside AMX).
 enum class Isa : int32_t { generic = 0, avx512 = 1, avx512bf16 = 2, amx = 3 };
 
+constexpr int32_t kBf16Direct = 0, kBf16Swapped256 = 1, kBf16Swapped512 = 2;
 // One matrix product C[m, n] = A[m, k] @ B[k, n] (+ bias[n]), strides in elements, any sign
 // or value. A group of a grouped_mm call is one Task. C is written completely (k == 0 gives
 // zeros, or the bias); the accumulation is in fp32 (fp64 for fp64) and C gets one rounding.
@@ -31,9 +32,10 @@ struct Task {
   int64_t bias_sn;
   int64_t m, n, k;
   bool stream;  // write C with non-temporal stores where whole aligned lines allow
-  // bf16 on Isa::avx512bf16 with k-contiguous A and B: the rows of A in 256-bit vector lanes
-  // (kernels_x86.cpp, "VB, swapped") instead of the columns of C in 512-bit ones.
-  bool bf16_swapped;
+  // bf16 on Isa::avx512bf16 with k-contiguous A and B: kBf16Direct (the columns of C in 512-bit
+  // vector lanes), or C^T = W @ A^T with the rows of A in 256-bit (kBf16Swapped256) or 512-bit
+  // (kBf16Swapped512) lanes (kernels_x86.cpp, "VB, swapped").
+  int32_t bf16_scheme;
 };
 
 // The rows [m0, m1) and columns [n0, n1) of one task's C: the unit of work a thread takes.

@@ -12,9 +12,10 @@
 // packs that block of B once and reuses it for all rows, and writes the block of C with its one
 // rounding (bias added in fp32 before it). AMX items with more rows than fit in L2 (large
 // groups) turn this around: a slice of B stays packed in L2 and the rows stream through
-// (amx_item_panels). With AVX512-BF16 on CPUs that split 512-bit operations in two
-// (Task::bf16_swapped), bf16 with k-contiguous operands takes vbs_item instead: C^T = W @ A^T with
-// rows of A in 256-bit lanes and the weights read in place (see "VB, swapped"). Groups of one to
+// (amx_item_panels). With AVX512-BF16 and no AMX (Task::bf16_scheme), bf16 with k-contiguous
+// operands takes vbs_item instead: C^T = W @ A^T with the weights read in place and the rows of A
+// in 256-bit lanes on CPUs that split 512-bit operations in two, 512-bit lanes on others (see
+// "VB, swapped" and "The swapped scheme in 512-bit vectors"). Groups of one to
 // four rows (decode; fp32 up to eight) take gemv_item (dot products along k, k-contiguous
 // weights; with the swapped scheme only where rows of W are a multiple of 4 KiB apart, see
 // vbs_task) or gemvt_item (rows of W streamed, n-contiguous weights) instead. Every
@@ -2117,6 +2118,121 @@ __attribute__((noinline)) void vbs_block(const uint32_t* a, int64_t a_vec, const
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The swapped scheme in 512-bit vectors (Task::bf16_scheme == kBf16Swapped512), for cores whose
+// 512-bit VDPBF16PS does twice the multiply-adds of the 256-bit one (full-width units: measured on
+// an AMD EPYC Zen 5 VM, family 0x1A, 2026-12-01: 6.50 G zmm / 6.62 G ymm VDPBF16PS per second on
+// one core, 416 / 212 GFLOP/s; on Zen 4 the two rates differ by 2x instead, see above). A vector
+// holds 4 rows x 4 pairs of k (128-bit lane i: row i, k = 8o .. 8o + 7 of octet o), against a
+// 128-bit piece of W (its 8 bf16 of the same k) broadcast to the four lanes; rows round up to 4,
+// and each row's 4 lanes are added at the end, ((p0 + p2) + (p1 + p3)). The register blocks are
+// those of the 256-bit scheme (8 columns x 3 vectors, 16 columns x 1), 8 k per step.
+
+// Rows [m0, m1) of A (k-contiguous) by 4 rows x 8 k: octet o of rows 4R .. 4R + 3 at dst + (R *
+// KO + o) * 16 (32-bit words), row i's 8 bf16 in words 4i .. 4i + 3; zero past K and in the rows
+// up to a multiple of 4. Four octets of four rows (one 512-bit load each) are one 4 x 4 transpose
+// of 128-bit lanes.
+void vbz_pack_a(const Task& t, const Item& it, uint32_t* dst, int64_t KO) {
+  const int64_t rows = it.m1 - it.m0, K = t.k;
+  const uint16_t* a = (const uint16_t*)t.a + it.m0 * t.a_sm;
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    uint32_t* d = dst + (r0 / 4) * KO * 16;
+    for (int64_t o0 = 0; o0 < KO; o0 += 4) {
+      const __mmask32 km = mask32(K - 8 * o0);
+      __m512i r[4];  // octets o0 .. o0 + 3 of row r0 + i
+      for (int64_t i = 0; i < 4; ++i) {
+        r[i] = r0 + i < rows ? masked_load_epi16x32(km, a + (r0 + i) * t.a_sm + 8 * o0) : _mm512_setzero_si512();
+      }
+      const __m512i t0 = _mm512_shuffle_i64x2(r[0], r[1], 0x44), t1 = _mm512_shuffle_i64x2(r[0], r[1], 0xEE);
+      const __m512i t2 = _mm512_shuffle_i64x2(r[2], r[3], 0x44), t3 = _mm512_shuffle_i64x2(r[2], r[3], 0xEE);
+      const __m512i o[4] = {_mm512_shuffle_i64x2(t0, t2, 0x88), _mm512_shuffle_i64x2(t0, t2, 0xDD),
+                            _mm512_shuffle_i64x2(t1, t3, 0x88), _mm512_shuffle_i64x2(t1, t3, 0xDD)};
+      if (KO - o0 >= 4) {  // (spelled out for the reason given in vbs_pack_a)
+        for (int64_t x = 0; x < 4; ++x) _mm512_store_si512(d + (o0 + x) * 16, o[x]);
+      } else {
+        for (int64_t x = 0; x < imin(4, KO - o0); ++x) _mm512_store_si512(d + (o0 + x) * 16, o[x]);
+      }
+    }
+  }
+}
+
+// acc[i][j] += over octets q0 .. q0 + kc: W[i] octet q (128 bits from w[i] + 8q, broadcast) times
+// A vector j octet q (a + j * a_vec + q * 16), for i < NC columns and j < MV vectors of 4 rows.
+// `tail`: the last step has K % 8 valid k (W read masked). Prefetches as in vbs_kernel.
+template <int MV, int NC>
+inline void vbz_kernel(const uint32_t* a, int64_t a_vec, const uint16_t* const* w, int64_t q0, int64_t kc, int64_t tail,
+                       __m512 (&acc)[NC][MV], const char* pf, int64_t pf_lines) {
+  auto step = [&](int64_t q, auto load_w) {
+    __m512bh av[MV];
+#pragma GCC unroll 3
+    for (int j = 0; j < MV; ++j) av[j] = (__m512bh)_mm512_load_si512(a + j * a_vec + q * 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < NC; ++i) {
+      const __m512bh bw = (__m512bh)_mm512_broadcast_i32x4(load_w(w[i] + 8 * (q0 + q)));
+#pragma GCC unroll 3
+      for (int j = 0; j < MV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], bw, av[j]);
+    }
+  };
+  const int64_t full = kc - (tail ? 1 : 0);
+  int64_t due = 0;
+  for (int64_t q = 0; q < full; ++q) {
+    for (due += pf_lines; due >= kc; due -= kc) {
+      _mm_prefetch(pf, _MM_HINT_T1);
+      pf += 64;
+    }
+    step(q, [](const uint16_t* p) { return _mm_loadu_si128((const __m128i*)p); });
+  }
+  if (tail) step(full, [tail](const uint16_t* p) { return masked_load_epi16x8(mask8(tail), p); });
+}
+
+// Four accumulators (columns c .. c + 3) of 4 rows x 4 lanes -> [row 0: columns c .. c + 3 | row 1
+// | row 2 | row 3], each sum ((lane 0 + lane 2) + (lane 1 + lane 3)).
+inline __m512 vbz_sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  return _mm512_add_ps(_mm512_shuffle_ps(x01, x23, 0x44), _mm512_shuffle_ps(x01, x23, 0xEE));
+}
+
+// One register block of the 512-bit scheme: NC columns of C x MV vectors of 4 rows, steps [q0,
+// q0 + kc). Its sums go to blk as rows of C (blk[r][c], row stride ldb; stored on the first k
+// block, added to it on the others) or, with out.c set, (plus blk's sums unless first) to C.
+template <int MV, int NC>
+__attribute__((noinline)) void vbz_block(const uint32_t* a, int64_t a_vec, const uint16_t* const* w, int64_t q0, int64_t kc,
+                                         int64_t tail, bool first, float* blk, int64_t ldb, PfRun pf, const VbsOut& out) {
+  static_assert(NC % 8 == 0, "columns in pieces of 8");
+  __m512 acc[NC][MV];
+#pragma GCC unroll 16
+  for (int i = 0; i < NC; ++i) {
+#pragma GCC unroll 3
+    for (int j = 0; j < MV; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  vbz_kernel<MV, NC>(a, a_vec, w, q0, kc, tail, acc, pf.first, pf.lines);
+#pragma GCC unroll 2
+  for (int g = 0; g < NC; g += 8) {
+    if (out.c && out.cols <= g) break;  // columns past the task's (the second half of 16)
+#pragma GCC unroll 3
+    for (int j = 0; j < MV; ++j) {
+      const __m512 s0 = vbz_sum4(acc[g][j], acc[g + 1][j], acc[g + 2][j], acc[g + 3][j]);
+      const __m512 s1 = vbz_sum4(acc[g + 4][j], acc[g + 5][j], acc[g + 6][j], acc[g + 7][j]);
+      // s0, s1: [r0 | r1 | r2 | r3] of columns c .. c + 3 and c + 4 .. c + 7 -> [r0: c .. c + 7 |
+      // r1: c .. c + 7] and rows 2, 3 alike
+      const __m512 u01 = _mm512_permutex2var_ps(
+          s0, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), s1);
+      const __m512 u23 = _mm512_permutex2var_ps(
+          s0, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), s1);
+      __m256 row[4] = {_mm512_castps512_ps256(u01), _mm512_extractf32x8_ps(u01, 1), _mm512_castps512_ps256(u23),
+                       _mm512_extractf32x8_ps(u23, 1)};
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        float* bp = blk + (4 * j + r) * ldb + g;
+        if (!first) row[r] = _mm256_add_ps(row[r], _mm256_loadu_ps(bp));
+        if (!out.c) _mm256_storeu_ps(bp, row[r]);
+        else if (4 * j + r < out.rows) vbs_put_row(out, 4 * j + r, g, row[r]);
+      }
+    }
+  }
+}
+
 // Vectors of VR rows in the next register block, `left` rows to go: 3, or 2 where 3 would leave
 // a single one. A block of one vector takes 16 columns at once (16 accumulators; with 8, fewer
 // than VDPBF16PS's latency times its rate).
@@ -2181,17 +2297,21 @@ int64_t vbs_workspace(int64_t rows, int64_t K) {
          2 * kVbsCols * kVbsStageStride * 2 + 4 * 64;
 }
 
-template <int VR, Dt O>
+// Z: the 512-bit scheme (vbz_block, vectors of 4 rows; VR must be 4).
+template <int VR, Dt O, bool Z = false>
 void vbs_item(const Task& t, const Item& it, void* ws) {
-  constexpr int64_t KS = 16 / VR, KC = kVbsKC / KS;  // k per step; steps per k block
+  static_assert(!Z || VR == 4, "the 512-bit scheme has vectors of 4 rows");
+  // k per step, steps per k block, words of A per vector and step
+  constexpr int64_t KS = Z ? 8 : 16 / VR, KC = kVbsKC / KS, VW = Z ? 16 : 8;
   const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, KQ = ceil_div(K, KS);
-  const int64_t ldb = VR == 4 ? round_up(rows, 16) : kVbsSlice;
-  // blk's layout (vbs_block): C^T with vectors of 4 rows, rows of C with vectors of 2.
-  const int64_t blk_row = VR == 4 ? 1 : ldb, blk_col = VR == 4 ? ldb : 1;
+  // blk's layout (vbs_block, vbz_block): C^T with 256-bit vectors of 4 rows, else rows of C.
+  constexpr bool transposed = VR == 4 && !Z;
+  const int64_t ldb = transposed ? round_up(rows, 16) : kVbsSlice;
+  const int64_t blk_row = transposed ? 1 : ldb, blk_col = transposed ? ldb : 1;
   constexpr int64_t osz = sizeof(typename Ty<O>::T);
   auto align = [](void* p) { return (float*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
   uint32_t* ap = (uint32_t*)align(ws);
-  float* blk = align(ap + round_up(rows, VR) * KQ * (8 / VR));
+  float* blk = align(ap + round_up(rows, VR) * KQ * (VW / VR));
   float* bias = align(blk + kVbsSlice * round_up(rows, 16));
   uint16_t* stage = (uint16_t*)align(bias + kVbsSlice);
   const bool staged = vbs_staged(t, rows);
@@ -2211,7 +2331,8 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
   // samples after its loads). G=256 with groups of 16: 3.79 -> 3.59 ms; 0-2% elsewhere.
   const bool whole_rows = it.n0 == 0 && it.n1 == t.n;
   PrefetchBlock next_rows(t.a, it.m1 * t.a_sm * 2, whole_rows ? rows : 0, t.a_sm * 2, K * 2, ceil_div(cols, kVbsSlice));
-  vbs_pack_a<VR>(t, it, ap, KQ);
+  if constexpr (Z) vbz_pack_a(t, it, ap, KQ);
+  else vbs_pack_a<VR>(t, it, ap, KQ);
   const uint16_t* b = (const uint16_t*)t.b;
   for (int64_t ns = 0; ns < cols; ns += kVbsSlice) {
     const int64_t nc = imin(kVbsSlice, cols - ns), col0 = it.n0 + ns;
@@ -2248,7 +2369,7 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
         const bool two = c0 + kVbsCols < nc;
         for (int64_t r0 = 0; r0 < rows;) {
           const int64_t mv = vbs_vectors<VR>(rows - r0);
-          const uint32_t* a = ap + (r0 / VR) * KQ * 8 + q0 * 8;
+          const uint32_t* a = ap + (r0 / VR) * KQ * VW + q0 * VW;
           float* bk = blk + r0 * blk_row + c0 * blk_col;
           VbsOut o;
           if (direct && q0 + kc == KQ) {
@@ -2261,7 +2382,8 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
           }
           r0 += mv * VR;
           if (mv == 1) {
-            vbs_block<VR, 1, 2 * kVbsCols>(a, KQ * 8, w, qw, kc, tail, q0 == 0, bk, ldb, ahead.take(), o);
+            if constexpr (Z) vbz_block<1, 2 * kVbsCols>(a, KQ * VW, w, qw, kc, tail, q0 == 0, bk, ldb, ahead.take(), o);
+            else vbs_block<VR, 1, 2 * kVbsCols>(a, KQ * VW, w, qw, kc, tail, q0 == 0, bk, ldb, ahead.take(), o);
             continue;
           }
           for (int h = 0; h < (two ? 2 : 1); ++h) {
@@ -2273,14 +2395,20 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
               oh.cols -= h * kVbsCols;
               oh.bias += h * kVbsCols;
             }
-            if (mv == 3) vbs_block<VR, 3, kVbsCols>(a, KQ * 8, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
-            else vbs_block<VR, 2, kVbsCols>(a, KQ * 8, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
+            if constexpr (Z) {
+              if (mv == 3) vbz_block<3, kVbsCols>(a, KQ * VW, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
+              else vbz_block<2, kVbsCols>(a, KQ * VW, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
+            } else if (mv == 3) {
+              vbs_block<VR, 3, kVbsCols>(a, KQ * VW, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
+            } else {
+              vbs_block<VR, 2, kVbsCols>(a, KQ * VW, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
+            }
           }
         }
       }
     }
     if (!direct) {
-      if constexpr (VR == 4) store_block_transposed<O>(t, it.m0, col0, blk, ldb, rows, nc, bias);
+      if constexpr (transposed) store_block_transposed<O>(t, it.m0, col0, blk, ldb, rows, nc, bias);
       else store_block<O>(t, it.m0, col0, blk, ldb, rows, nc, bias);
     }
   }
@@ -2308,7 +2436,9 @@ bool vbs_pair_rows(const Task& t) { return t.m > kGemvRows && t.m < kVbsPairRows
 
 bool uses_amx(Isa isa, Dt in) { return isa == Isa::amx && in == Dt::bf16; }
 bool uses_pairs(Isa isa, Dt in) { return isa == Isa::avx512bf16 && in == Dt::bf16; }
-bool uses_swapped(Isa isa, Dt in, const Task& t) { return uses_pairs(isa, in) && t.bf16_swapped && vbs_task(t); }
+bool uses_swapped(Isa isa, Dt in, const Task& t) {
+  return uses_pairs(isa, in) && t.bf16_scheme != kBf16Direct && vbs_task(t);
+}
 
 constexpr int64_t kWholeGroup = int64_t(1) << 40;
 
@@ -2367,7 +2497,10 @@ void run_item(Isa isa, Dt in, Dt out, const Task& task, const Item& item, void* 
     case Dt::f32: fma_item<VF, Dt::f32, Dt::f32>(task, item, ws); break;
     case Dt::bf16:
       if (uses_pairs(isa, in)) {
-        if (uses_swapped(isa, in, task)) {
+        if (uses_swapped(isa, in, task) && task.bf16_scheme == kBf16Swapped512) {
+          if (out == Dt::f32) vbs_item<4, Dt::f32, true>(task, item, ws);
+          else vbs_item<4, Dt::bf16, true>(task, item, ws);
+        } else if (uses_swapped(isa, in, task)) {
           const bool pairs = vbs_pair_rows(task);
           if (out == Dt::f32) pairs ? vbs_item<2, Dt::f32>(task, item, ws) : vbs_item<4, Dt::f32>(task, item, ws);
           else pairs ? vbs_item<2, Dt::bf16>(task, item, ws) : vbs_item<4, Dt::bf16>(task, item, ws);

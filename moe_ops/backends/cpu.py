@@ -6,8 +6,9 @@ splits the groups into (group, row block, column block) items that the threads o
 at::parallel_for region share, and computes each item with:
 
 * "amx": bf16 on CPUs with AMX (tile matmuls, fp32 accumulation);
-* "avx512_bf16": bf16 on CPUs with AVX512-BF16 but no AMX, e.g. AMD Zen 4 (VDPBF16PS dot
-  products of bf16 pairs, fp32 accumulation);
+* "avx512_bf16": bf16 on CPUs with AVX512-BF16 but no AMX, e.g. AMD Zen 4 and Zen 5 (VDPBF16PS
+  dot products of bf16 pairs, fp32 accumulation; with k-contiguous weights C^T = W @ A^T, the
+  rows of A in 256-bit lanes on Zen 4 and 512-bit ones on Zen 5);
 * "avx512": fp32 / fp16 / fp64, and bf16 on other AVX-512 CPUs (AVX-512 FMA, fp32 or fp64
   accumulation);
 * "aten": ATen's mm on the item's views (any other CPU, or ``MOE_OPS_CPU_ISA=generic``).
@@ -189,8 +190,10 @@ def status() -> Status:
     kernels = ", ".join(f"{d}: {_kernel_name(getattr(torch, d))}" for d in ("bfloat16", "float32", "float16", "float64"))
     cached, limit = torch.ops.moe_cpu.cache_info()
     machine = torch.ops.moe_cpu.machine()
-    swapped = ("bf16 with k-contiguous weights in the swapped scheme (rows in 256-bit lanes: this CPU runs 512-bit "
-               "operations as two halves); " if machine == "avx512_bf16" and torch.ops.moe_cpu.bf16_swapped() else "")
+    lanes = {1: "256-bit lanes: this CPU runs 512-bit operations as two halves",
+             2: "512-bit lanes"}.get(torch.ops.moe_cpu.bf16_scheme())
+    swapped = (f"bf16 with k-contiguous weights in the swapped scheme (rows in {lanes}); "
+               if machine == "avx512_bf16" and lanes else "")
     return Status(NAME, ("CPU",), "native",
                   f"C++ kernel, {torch.get_num_threads()} threads, {machine} CPU ({kernels}); {swapped}"
                   f"output cache {cached >> 20} of {limit >> 20} MiB")
