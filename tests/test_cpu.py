@@ -460,11 +460,11 @@ def test_stale_nan_in_scratch_and_output_memory_never_leaks(isa):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d", "3d3d"])
 def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
-    """Large groups take ATen's multi-threaded mm (fp32 from 2**26 multiply-adds, except on Zen 4
-    at the AVX-512 level, hence the generic level too; bf16 from 2**28 only below the AVX512-BF16
-    level, so also with the level capped at AVX-512), the others the items; one call mixes both
-    (and a group with a bias or fp32 output never takes the mm path). On Zen 4 the fp32 call at the
-    best level runs every group on the items."""
+    """Large groups take ATen's multi-threaded mm (fp32 from 2**26 multiply-adds, except on AMD
+    CPUs at the AVX-512 level, hence the generic level too; bf16 from 2**28 only below the
+    AVX512-BF16 level, so also with the level capped at AVX-512), the others the items; one call
+    mixes both (and a group with a bias or fp32 output never takes the mm path). On AMD CPUs the
+    fp32 call at the best level runs every group on the items."""
     gen = torch.Generator().manual_seed(1)
     big, K, N = 1040, 512, 520  # 1040 * 512 * 520 > 2**28
     shapes = {"2d3d": ((big + 70, K), (3, K, N)), "2d2d": ((N, big + 70), (big + 70, K)),

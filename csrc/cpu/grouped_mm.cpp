@@ -78,30 +78,32 @@ Isa detect_isa_x86() {
 }
 #endif
 
+// The x86 family of an AMD CPU (0x19: Zen 3 / Zen 4, 0x1A: Zen 5), 0 for any other CPU.
+unsigned amd_family() {
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+  const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+  return ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
+#else
+  return 0;
+#endif
+}
+
+// amd_family(), asked once.
+unsigned amd_cpu_family() {
+  static const unsigned family = amd_family();
+  return family;
+}
+
 // AMD Zen 4 (family 0x19 with AVX-512) executes a 512-bit operation as two 256-bit halves, so
 // 256-bit VDPBF16PS runs at twice the rate of the 512-bit one: the same multiply-adds per cycle
 // (measured on a Zen 4 VM: 3.62 G zmm / 7.24 G ymm instructions per second, 231 GFLOP/s both).
 // bf16 there takes the kernels' swapped scheme with rows of A in 256-bit lanes (Task::bf16_scheme).
 // Cores with full-width 512-bit units (Zen 5; Intel Cooper Lake, the one Intel CPU with
 // AVX512-BF16 and no AMX) take it with rows of A in 512-bit lanes (see default_bf16_scheme).
-bool half_width_avx512() {
-#if defined(__x86_64__) || defined(_M_X64)
-  unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-  const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
-  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
-  const unsigned family = ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
-  return family == 0x19;
-#else
-  return false;
-#endif
-}
-
-// half_width_avx512(), asked once.
-bool half_width_cpu() {
-  static const bool half = half_width_avx512();
-  return half;
-}
+bool half_width_cpu() { return amd_cpu_family() == 0x19; }
 
 // The bf16 scheme for k-contiguous operands on AVX512-BF16 without AMX (Task::bf16_scheme): the
 // swapped one in 256-bit lanes where 512-bit operations run as two halves, else in 512-bit lanes.
@@ -436,8 +438,8 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
 // Groups with at least this many multiply-adds go to ATen's mm with all threads, one after the
 // other; the rest share one parallel region of items. Only for out_dtype == input dtype and no
 // bias (ATen has no bf16 x bf16 -> fp32 mm, and the bias must be added before the one rounding).
-// * fp32, from 2^26 multiply-adds (m >= 64 rows at K = 1024, N = 1024), to MKL, except on
-//   Zen 4 (half_width_cpu) at the AVX-512 level. Measured on an Intel AMX-class VM (2026-11-29;
+// * fp32, from 2^26 multiply-adds (m >= 64 rows at K = 1024, N = 1024), to MKL, except on AMD
+//   CPUs (amd_cpu_family) at the AVX-512 level. Measured on an Intel AMX-class VM (2026-11-29;
 //   2 threads, 15 interleaved rounds, medians, time / dense mm), 2^28 -> 2^26: OLMoE /2 (G=64,
 //   M=4096, K=1024, N=512) fwd x2.24 -> x2.10 (torch._grouped_mm x2.15); Mixtral /4 (G=8,
 //   M=1024, K=1024, N=3584) fwd x1.52 -> x1.46 (x1.55); G=64, M=2048, K=N=512 x2.39 -> x2.30
@@ -447,7 +449,12 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
 //   and every group on the items beat this path: G=8, M=4096, K=1024, N=2048 fwd 96.9 -> 90.9 ms,
 //   dgrad 100.0 -> 93.6, wgrad 92.9 -> 88.9 (dense 89.5-103); Mixtral /4 (M=2048) fwd 49.0 ->
 //   41.1, dgrad 48.3 -> 41.3, wgrad 43.7 -> 37.4; OLMoE /2 fwd 26.6 -> 24.9, dgrad 24.9 -> 22.4;
-//   GPT-OSS /4 fwd 15.1 -> 13.3; smaller experts level. Not re-measured on Intel. At the generic
+//   GPT-OSS /4 fwd 15.1 -> 13.3; smaller experts level. On a Zen 5 VM (family 0x1A, 2026-12-01,
+//   same method, 10 rounds), where MKL reaches 150-160 GFLOP/s and the items 340 (MKL takes
+//   its AVX-512 code on Intel CPUs only), MKL -> items: G=8 fwd / dgrad / wgrad 96.6 / 100.9 /
+//   98.6 -> 50.0 / 49.8 / 47.3 ms (dense 95-111); Mixtral /4 63.6 / 60.8 / 54.8 -> 27.3 / 24.0 /
+//   22.3; GPT-OSS-20B /4 13.3 / 12.3 / 10.4 -> 10.3 / 8.4 / 7.4; OLMoE /2 23.6 / 24.0 / 20.8 ->
+//   18.4 / 15.6 / 13.4. Not re-measured on Intel. At the generic
 //   level (ATen's mm per item; MKL capped to AVX2 on the same VM) the two were within 3-7% either
 //   way, so that level keeps this path.
 // * bf16, from 2^28, to oneDNN, but only on CPUs with neither AMX nor AVX512-BF16. With AMX every
@@ -511,7 +518,7 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   }
   std::vector<Task> small;
   const bool whole_groups_ok =
-      out_dtype == dtype && ((dtype == at::kFloat && (isa == Isa::generic || !half_width_cpu())) ||
+      out_dtype == dtype && ((dtype == at::kFloat && (isa == Isa::generic || amd_cpu_family() == 0)) ||
                              (dtype == at::kBFloat16 && isa < Isa::avx512bf16));
   for (const Task& t : p.tasks) {
     if (whole_groups_ok && t.bias == nullptr && is_big(t, dtype)) {
@@ -550,7 +557,7 @@ void register_ops() {
   // isa: -1 = best for this machine, 0 = generic (ATen mm per item), 1 = AVX-512, 2 = AVX-512
   // with AVX512-BF16, 3 = AMX; a value above what the machine has means the best it has.
   // bf16_scheme (bf16 on AVX512-BF16 without AMX, k-contiguous operands): -1 = this CPU's
-  // choice (half_width_avx512), 0 = direct, 1 = swapped in 256-bit lanes, 2 = swapped in 512-bit
+  // choice (default_bf16_scheme), 0 = direct, 1 = swapped in 256-bit lanes, 2 = swapped in 512-bit
   // lanes.
   def->def("grouped_mm(str layout, Tensor mat_a, Tensor mat_b, Tensor? offs, Tensor? bias, ScalarType out_dtype, "
            "int isa=-1, int bf16_scheme=-1) -> Tensor");

@@ -18,7 +18,7 @@ products along k with k-contiguous weights (with AMX only from K = 4096), the ro
 with n-contiguous ones.
 
 Groups of at least 2**28 multiply-adds in bf16 (only on the "avx512" and "aten" levels), 2**26
-in fp32 (not on AMD Zen 4 at the "avx512" level, where the items are faster; no bias, output in
+in fp32 (not on AMD CPUs at the "avx512" level, where the items are faster; no bias, output in
 the input dtype) are computed whole by ATen's mm with all threads (oneDNN/MKL), before the items.
 
 Outputs of 8 MiB and more come from a per-process cache of mapped memory (csrc/cpu/
