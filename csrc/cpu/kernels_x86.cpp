@@ -2014,6 +2014,25 @@ void vbs_pack_a(const Task& t, const Item& it, uint32_t* dst, int64_t KQ) {
   }
 }
 
+// The k loop of the swapped schemes' register blocks: steps 0 .. kc - 1 of step(q, load_w), with
+// load_w = load_full (W's piece for the step, up to 128 bits, from a row of W) except on the last
+// step where it has only `tail` valid k (read masked: the rest is past the row), and pf_lines
+// prefetches into L2 from pf spread evenly over the steps.
+template <class Step, class LoadFull>
+inline void vbs_steps(int64_t kc, int64_t tail, const char* pf, int64_t pf_lines, const Step& step,
+                      const LoadFull& load_full) {
+  const int64_t full = kc - (tail ? 1 : 0);
+  int64_t due = 0;
+  for (int64_t q = 0; q < full; ++q) {
+    for (due += pf_lines; due >= kc; due -= kc) {
+      _mm_prefetch(pf, _MM_HINT_T1);
+      pf += 64;
+    }
+    step(q, load_full);
+  }
+  if (tail) step(full, [tail](const uint16_t* p) { return masked_load_epi16x8(mask8(tail), p); });
+}
+
 // acc[i][j] += over quads q0 .. q0 + kc: W[i] quad q (64-bit words from w[i] + 4q, broadcast)
 // times A vector j quad q (a + j * a_vec + q * 8), for i < NC columns and j < MV vectors of 4
 // rows (VR = 2: octets, 128 bits of W from w[i] + 8q broadcast to both halves, vectors of 2
@@ -2034,17 +2053,9 @@ inline void vbs_kernel(const uint32_t* a, int64_t a_vec, const uint16_t* const* 
       for (int j = 0; j < MV; ++j) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], bw, av[j]);
     }
   };
-  const int64_t full = kc - (tail ? 1 : 0);
-  int64_t due = 0;
-  for (int64_t q = 0; q < full; ++q) {
-    for (due += pf_lines; due >= kc; due -= kc) {
-      _mm_prefetch(pf, _MM_HINT_T1);
-      pf += 64;
-    }
-    // An unaligned load: rows of W are 2-byte aligned when K is odd.
-    step(q, [](const uint16_t* p) { return VR == 4 ? _mm_loadu_si64(p) : _mm_loadu_si128((const __m128i*)p); });
-  }
-  if (tail) step(full, [tail](const uint16_t* p) { return masked_load_epi16x8(mask8(tail), p); });
+  // An unaligned load: rows of W are 2-byte aligned when K is odd.
+  vbs_steps(kc, tail, pf, pf_lines, step,
+            [](const uint16_t* p) { return VR == 4 ? _mm_loadu_si64(p) : _mm_loadu_si128((const __m128i*)p); });
 }
 
 // Where a register block's finished sums go straight to C (its last k block, C n-contiguous and
@@ -2177,7 +2188,7 @@ void vbz_pack_a(const Task& t, const Item& it, uint32_t* dst, int64_t KO) {
 
 // acc[i][j] += over octets q0 .. q0 + kc: W[i] octet q (128 bits from w[i] + 8q, broadcast) times
 // A vector j octet q (a + j * a_vec + q * 16), for i < NC columns and j < MV vectors of 4 rows.
-// `tail`: the last step has K % 8 valid k (W read masked). Prefetches as in vbs_kernel.
+// `tail`: the last step has K % 8 valid k (W read masked). Prefetches as in vbs_kernel (vbs_steps).
 template <int MV, int NC>
 inline void vbz_kernel(const uint32_t* a, int64_t a_vec, const uint16_t* const* w, int64_t q0, int64_t kc, int64_t tail,
                        __m512 (&acc)[NC][MV], const char* pf, int64_t pf_lines) {
@@ -2192,16 +2203,7 @@ inline void vbz_kernel(const uint32_t* a, int64_t a_vec, const uint16_t* const* 
       for (int j = 0; j < MV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], bw, av[j]);
     }
   };
-  const int64_t full = kc - (tail ? 1 : 0);
-  int64_t due = 0;
-  for (int64_t q = 0; q < full; ++q) {
-    for (due += pf_lines; due >= kc; due -= kc) {
-      _mm_prefetch(pf, _MM_HINT_T1);
-      pf += 64;
-    }
-    step(q, [](const uint16_t* p) { return _mm_loadu_si128((const __m128i*)p); });
-  }
-  if (tail) step(full, [tail](const uint16_t* p) { return masked_load_epi16x8(mask8(tail), p); });
+  vbs_steps(kc, tail, pf, pf_lines, step, [](const uint16_t* p) { return _mm_loadu_si128((const __m128i*)p); });
 }
 
 // Four accumulators (columns c .. c + 3) of 4 rows x 4 lanes -> [row 0: columns c .. c + 3 | row 1
