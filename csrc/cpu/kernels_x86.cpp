@@ -2077,6 +2077,16 @@ inline void vbs_put_row(const VbsOut& o, int64_t row, int64_t col, __m256 v) {
   else masked_store_epi16x8((uint16_t*)o.c + at, cm, f32_to_bf16x8_native(v));
 }
 
+// Row `row` of a register block's sums, 8 columns from col, where the block's sums are kept as rows
+// of C (blk[r][c], row stride ldb): plus blk's partial sums unless first; then into blk, or, with
+// out.c set, to C (vbs_put_row; rows past the task's are not stored).
+inline void vbs_row_out(float* blk, int64_t ldb, bool first, const VbsOut& out, int64_t row, int64_t col, __m256 v) {
+  float* const bp = blk + row * ldb + col;
+  if (!first) v = _mm256_add_ps(v, _mm256_loadu_ps(bp));
+  if (!out.c) _mm256_storeu_ps(bp, v);
+  else if (row < out.rows) vbs_put_row(out, row, col, v);
+}
+
 // Rows 4j .. 4j + 3 of an 8-column piece of a register block, from s[p] = [column p: rows 0-3 |
 // column p + 4: rows 0-3]: transposed in registers (8 shuffles), plus bias, rounded once, each
 // row's 8 columns stored at c + row * c_sm.
@@ -2118,12 +2128,7 @@ __attribute__((noinline)) void vbs_block(const uint32_t* a, int64_t a_vec, const
         const __m256 s0 = _mm256_hadd_ps(h[0], h[1]), s1 = _mm256_hadd_ps(h[2], h[3]);
         __m256 row[2] = {_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)};
 #pragma GCC unroll 2
-        for (int r = 0; r < 2; ++r) {
-          float* bp = blk + (2 * j + r) * ldb + g;
-          if (!first) row[r] = _mm256_add_ps(row[r], _mm256_loadu_ps(bp));
-          if (!out.c) _mm256_storeu_ps(bp, row[r]);
-          else if (2 * j + r < out.rows) vbs_put_row(out, 2 * j + r, g, row[r]);
-        }
+        for (int r = 0; r < 2; ++r) vbs_row_out(blk, ldb, first, out, 2 * j + r, g, row[r]);
       }
     }
     return;
@@ -2244,12 +2249,7 @@ __attribute__((noinline)) void vbz_block(const uint32_t* a, int64_t a_vec, const
       __m256 row[4] = {_mm512_castps512_ps256(u01), _mm512_extractf32x8_ps(u01, 1), _mm512_castps512_ps256(u23),
                        _mm512_extractf32x8_ps(u23, 1)};
 #pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-        float* bp = blk + (4 * j + r) * ldb + g;
-        if (!first) row[r] = _mm256_add_ps(row[r], _mm256_loadu_ps(bp));
-        if (!out.c) _mm256_storeu_ps(bp, row[r]);
-        else if (4 * j + r < out.rows) vbs_put_row(out, 4 * j + r, g, row[r]);
-      }
+      for (int r = 0; r < 4; ++r) vbs_row_out(blk, ldb, first, out, 4 * j + r, g, row[r]);
     }
   }
 }
