@@ -141,17 +141,27 @@ def test_bf16_scheme_follows_the_cpu_family_and_is_reported():
     """The swapped bf16 scheme in 256-bit lanes is the default exactly on AMD family 25 (0x19, Zen
     4: 512-bit operations as two 256-bit halves), as /proc/cpuinfo names it (the kernel decodes
     CPUID itself), in 512-bit lanes everywhere else, and `python -m moe_ops`'s CPU line says which
-    where bf16 runs on AVX512-BF16."""
+    where bf16 runs on AVX512-BF16. There the op's default (bf16_scheme -1) computes what that
+    scheme forced does, bit for bit, and not what the other swapped one does (fp32 out: the two
+    sum a row's lanes in different orders)."""
     with open("/proc/cpuinfo") as f:
         first_cpu = f.read().split("\n\n")[0]
     info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
     zen4_family = info["vendor_id"] == "AuthenticAMD" and int(info["cpu family"]) == 25
     assert torch.ops.moe_cpu.bf16_scheme() == (1 if zen4_family else 2)
     detail = cpu_backend.status().detail
-    if torch.ops.moe_cpu.machine() == "avx512_bf16":
-        assert f"swapped scheme (rows in {256 if zen4_family else 512}-bit lanes" in detail
-    else:
+    if torch.ops.moe_cpu.machine() != "avx512_bf16":
         assert "swapped scheme" not in detail
+        return
+    assert f"swapped scheme (rows in {256 if zen4_family else 512}-bit lanes" in detail
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(70, 300, generator=gen).bfloat16()
+    b = torch.randn(3, 40, 300, generator=gen).bfloat16().transpose(1, 2)
+    offs = torch.tensor([9, 30, 70], dtype=torch.int32)
+    op = torch.ops.moe_cpu.grouped_mm
+    out = {s: op("2d3d", a, b, offs, None, torch.float32, -1, s) for s in (-1, 1, 2)}
+    assert torch.equal(out[-1], out[torch.ops.moe_cpu.bf16_scheme()])
+    assert not torch.equal(out[1], out[2])
 
 
 def test_gradcheck_through_the_native_kernel():
