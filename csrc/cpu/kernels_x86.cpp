@@ -2254,6 +2254,14 @@ __attribute__((noinline)) void vbz_block(const uint32_t* a, int64_t a_vec, const
   }
 }
 
+// The register block of either swapped scheme: vbz_block (Z, 512-bit) or vbs_block (256-bit).
+template <int VR, bool Z, int MV, int NC>
+inline void swapped_block(const uint32_t* a, int64_t a_vec, const uint16_t* const* w, int64_t q0, int64_t kc,
+                          int64_t tail, bool first, float* blk, int64_t ldb, PfRun pf, const VbsOut& out) {
+  if constexpr (Z) vbz_block<MV, NC>(a, a_vec, w, q0, kc, tail, first, blk, ldb, pf, out);
+  else vbs_block<VR, MV, NC>(a, a_vec, w, q0, kc, tail, first, blk, ldb, pf, out);
+}
+
 // Vectors of VR rows in the next register block, `left` rows to go: 3, or 2 where 3 would leave
 // a single one. A block of one vector takes 16 columns at once (16 accumulators; with 8, fewer
 // than VDPBF16PS's latency times its rate).
@@ -2403,8 +2411,7 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
           }
           r0 += mv * VR;
           if (mv == 1) {
-            if constexpr (Z) vbz_block<1, 2 * kVbsCols>(a, KQ * VW, w, qw, kc, tail, q0 == 0, bk, ldb, ahead.take(), o);
-            else vbs_block<VR, 1, 2 * kVbsCols>(a, KQ * VW, w, qw, kc, tail, q0 == 0, bk, ldb, ahead.take(), o);
+            swapped_block<VR, Z, 1, 2 * kVbsCols>(a, KQ * VW, w, qw, kc, tail, q0 == 0, bk, ldb, ahead.take(), o);
             continue;
           }
           for (int h = 0; h < (two ? 2 : 1); ++h) {
@@ -2416,14 +2423,8 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
               oh.cols -= h * kVbsCols;
               oh.bias += h * kVbsCols;
             }
-            if constexpr (Z) {
-              if (mv == 3) vbz_block<3, kVbsCols>(a, KQ * VW, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
-              else vbz_block<2, kVbsCols>(a, KQ * VW, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
-            } else if (mv == 3) {
-              vbs_block<VR, 3, kVbsCols>(a, KQ * VW, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
-            } else {
-              vbs_block<VR, 2, kVbsCols>(a, KQ * VW, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
-            }
+            if (mv == 3) swapped_block<VR, Z, 3, kVbsCols>(a, KQ * VW, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
+            else swapped_block<VR, Z, 2, kVbsCols>(a, KQ * VW, wh, qw, kc, tail, q0 == 0, bh, ldb, ahead.take(), oh);
           }
         }
       }
@@ -2518,13 +2519,16 @@ void run_item(Isa isa, Dt in, Dt out, const Task& task, const Item& item, void* 
     case Dt::f32: fma_item<VF, Dt::f32, Dt::f32>(task, item, ws); break;
     case Dt::bf16:
       if (uses_pairs(isa, in)) {
-        if (uses_swapped(isa, in, task) && task.bf16_scheme == kBf16Swapped512) {
-          if (out == Dt::f32) vbs_item<4, Dt::f32, true>(task, item, ws);
-          else vbs_item<4, Dt::bf16, true>(task, item, ws);
-        } else if (uses_swapped(isa, in, task)) {
+        if (uses_swapped(isa, in, task)) {
           const bool pairs = vbs_pair_rows(task);
-          if (out == Dt::f32) pairs ? vbs_item<2, Dt::f32>(task, item, ws) : vbs_item<4, Dt::f32>(task, item, ws);
-          else pairs ? vbs_item<2, Dt::bf16>(task, item, ws) : vbs_item<4, Dt::bf16>(task, item, ws);
+          if (task.bf16_scheme == kBf16Swapped512) {
+            if (out == Dt::f32) vbs_item<4, Dt::f32, true>(task, item, ws);
+            else vbs_item<4, Dt::bf16, true>(task, item, ws);
+          } else if (out == Dt::f32) {
+            pairs ? vbs_item<2, Dt::f32>(task, item, ws) : vbs_item<4, Dt::f32>(task, item, ws);
+          } else {
+            pairs ? vbs_item<2, Dt::bf16>(task, item, ws) : vbs_item<4, Dt::bf16>(task, item, ws);
+          }
         } else if (out == Dt::f32) fma_item<VB, Dt::bf16, Dt::f32>(task, item, ws);
         else fma_item<VB, Dt::bf16, Dt::bf16>(task, item, ws);
       } else if (out == Dt::f32) {
