@@ -606,39 +606,43 @@ void pack_rows_tiles(const uint16_t* src, int64_t sm, int64_t sk, int64_t rows, 
   }
 }
 
-// Rows of B read ahead (software prefetch into L1) while packing n-contiguous rows; past the
-// item's last row they are the next group's weights ([G, K, N] contiguous), which this thread
-// usually packs next (a prefetch never faults). Measured here (2 threads, dgrad layout, bf16,
-// 25 interleaved rounds, medians): G=256, M=4096, K=512, N=256 8.8 -> 6.2 ms; G=64, M=2048,
-// K=N=512 3.05 -> 2.48 ms; G=8, M=4096, K=1024, N=2048 13.9 -> 12.9 ms. Without it the pack
-// read the weights at ~7 GB/s per thread. The prefetches are spread over the packing (one line of
-// each row per 64 bytes packed): issued as one burst of 2 rows' lines before it, perf put ~40%
-// of the pack's samples on the prefetch instructions (the line fill buffers were full), and
-// spreading them measured G=64 2.30-2.60 -> 2.11-2.37 ms, G=256 3.62-4.72 -> 3.38-4.08 ms,
-// G=8 14.95-15.63 -> 14.38-14.80 ms (dgrad, 2 threads, 10-20 rounds alternating in one
-// process, medians, 2026-11-30; 8 or 32 rows ahead, or prefetcht1, measured no better).
-constexpr int64_t kPackAheadRows = 16;
-
 // A [K x cols] matrix (strides sk, sn) into VNNI tiles: tile (nt, s) row r holds, for columns
 // nt*16 .. +15, the pairs (k, k+1) with k = s*32 + 2r. Zero-padded to 16 columns and 32 k.
 void pack_vnni_tiles(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64_t cols, uint16_t* dst) {
   const int64_t ks = ceil_div(K, 32), nts = ceil_div(cols, 16);
   if (sn == 1) {
-    // Rows k and k+1 are read left to right (memory order) and interleaved into 32-bit words.
+    // n-contiguous source (the input gradient's [K, N] weights, the weight gradient's dy): two
+    // tiles at a time, each written whole, row after row: a 64-byte piece (32 columns) of rows k
+    // and k+1, interleaved into 32-bit words by two permutes, gives row r of tile nt (columns
+    // 0-15) and of tile nt + 1 (16-31). Rows of B are read into L1 one tile step ahead (32 rows
+    // further on, the same columns; past the item's last row they are the next group's weights,
+    // [G, K, N] contiguous, which this thread usually packs next; a prefetch never faults).
+    // Before (2026-11-30) each pair of rows was read in memory order, 32 bytes per tile, into
+    // row r of every tile of the slice at once, with the prefetches spread over it (one line of
+    // each row per 64 bytes packed; as one burst before it, perf put ~40% of the pack's samples
+    // on them). Measured on an Intel AMX VM (2026-12-02; C, one thread, a 512 x 512 matrix):
+    // 18.6 -> 13.5 us a pack from L2, 49.7 -> 42.6 us from memory (128 MiB of weights); the op,
+    // input gradient, 2 threads, 20-30 rounds alternating in one process, 48 MiB written between
+    // calls, ratio to dense: G=8, M=4096, K=1024, N=2048 x1.28 / x1.33 -> x1.24 / x1.32; G=64,
+    // M=2048, K=N=512 x2.79 / x3.25 -> x2.61 / x3.15; G=256, M=4096, K=512, N=256 x5.20 / x6.07
+    // -> x5.05 / x5.86 (weight gradient level). 64 rows ahead or prefetcht1: no better.
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                            37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
     for (int64_t s = 0; s < ks; ++s) {
-      for (int64_t r = 0; r < 16; ++r) {
-        const int64_t k0 = s * 32 + 2 * r;
-        const char* ahead = (const char*)((uintptr_t)src + (k0 + kPackAheadRows) * sk * 2);
-        for (int64_t nt = 0; nt < nts; ++nt) {
-          if ((nt & 1) == 0) {  // one line of each of the two rows ahead per 64 bytes packed
-            _mm_prefetch(ahead + nt * 32, _MM_HINT_T0);
-            _mm_prefetch(ahead + sk * 2 + nt * 32, _MM_HINT_T0);
-          }
-          const __mmask16 cm = mask16(cols - nt * 16);
-          __m256i lo = k0 < K ? masked_load_epi16x16(cm, src + k0 * sk + nt * 16) : _mm256_setzero_si256();
-          __m256i hi = k0 + 1 < K ? masked_load_epi16x16(cm, src + (k0 + 1) * sk + nt * 16) : _mm256_setzero_si256();
-          _mm512_storeu_si512(dst + (nt * ks + s) * kTileElems + r * 32,
-                              _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+      for (int64_t nt = 0; nt < nts; nt += 2) {
+        const __mmask32 cm = mask32(cols - nt * 16);
+        uint16_t* d0 = dst + (nt * ks + s) * kTileElems;
+        uint16_t* d1 = d0 + ks * kTileElems;
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t k0 = s * 32 + 2 * r;
+          const char* ahead = (const char*)((uintptr_t)src + ((k0 + 32) * sk + nt * 16) * 2);
+          _mm_prefetch(ahead, _MM_HINT_T0);
+          _mm_prefetch(ahead + sk * 2, _MM_HINT_T0);
+          const __m512i lo = k0 < K ? masked_load_epi16x32(cm, src + k0 * sk + nt * 16) : _mm512_setzero_si512();
+          const __m512i hi = k0 + 1 < K ? masked_load_epi16x32(cm, src + (k0 + 1) * sk + nt * 16) : _mm512_setzero_si512();
+          _mm512_storeu_si512(d0 + r * 32, _mm512_permutex2var_epi16(lo, lo_idx, hi));
+          if (nt + 1 < nts) _mm512_storeu_si512(d1 + r * 32, _mm512_permutex2var_epi16(lo, hi_idx, hi));
         }
       }
     }
