@@ -558,6 +558,21 @@ def test_amx_groups_larger_than_l2_with_k_zero_give_the_bias(layout):
             assert torch.equal(out[890:], torch.zeros_like(out[890:])), f"{layout} {out_dtype} trailing rows"
 
 
+def test_operands_at_page_ends_and_starts_are_never_read_past():
+    """Every level this machine has, on operands that end right before an unreadable page or
+    start right after one (tests/guard_pages.py, in a subprocess: a read past either end is a
+    SIGSEGV there), in every layout, dtype and weight orientation, with ragged sizes. Masked
+    vector loads are what keep the kernels inside their operands at every edge; one lane too
+    many in a pack (a mask of cols + 1) passes every other test here and fails this one."""
+    levels = [f"{LEVELS[n][0]}:{LEVELS[n][1]}" for n in LEVELS if has_level(n)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))  # this tree's build
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tests", "guard_pages.py"), *levels],
+                       capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert r.returncode == 0, f"exit status {r.returncode}\n{r.stdout}\n{r.stderr}"
+    for level in levels:
+        assert f"{level}: " in r.stdout and "all match" in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
 @pytest.mark.parametrize("isa", machine_levels())

@@ -1,0 +1,91 @@
+"""Every CPU kernel level on operands that end where readable memory ends (the next page is
+PROT_NONE) or begin right after an unreadable page: any read past either end, a full vector
+where a masked one was meant, say, kills the process with SIGSEGV. Run by test_cpu.py in a
+subprocess (``python tests/guard_pages.py LEVEL...``), which checks the exit status and that
+every result matches the reference; prints one line per level."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import torch
+
+import moe_ops
+from moe_ops import _contract
+from moe_ops.testing import assert_close
+
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_keep = []  # the mappings stay alive (and unmapped never) while tensors view them
+
+
+def guarded(t: torch.Tensor, at_end: bool) -> torch.Tensor:
+    """A copy of t with t's strides whose storage ends at the end of a readable page followed by
+    an unreadable one (at_end) or starts at the start of a page after an unreadable one."""
+    span = (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))) * t.element_size() if t.numel() else 0
+    pages = -(-span // PAGE) + 2
+    m = mmap.mmap(-1, pages * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    for page in (0, pages - 1):
+        if _libc.mprotect(ctypes.c_void_p(base + page * PAGE), PAGE, 0) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect")
+    start = (pages - 1) * PAGE - span if at_end else PAGE
+    raw = torch.frombuffer(m, dtype=torch.uint8, count=max(span, t.element_size()), offset=start)
+    out = raw.view(t.dtype).as_strided(t.shape, t.stride())
+    out.copy_(t)
+    _keep.append(m)
+    return out
+
+
+def problems(dtype):
+    """(name, mat_a, mat_b, offs, bias) per layout and weight orientation: K and N off every
+    vector and tile width, an empty group, groups of 2-4 rows (decode kernels, with K >= 4096
+    too), one larger than an AMX item's share of L2 (301 rows), and trailing rows."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*size):
+        return torch.randn(*size, generator=g, dtype=torch.float64).to(dtype)
+
+    # K >= 4096 not in float64: its reference is no more exact than the kernel, so the shared
+    # tolerance (2 units of the accumulation dtype on the magnitude) is for smaller sums.
+    for K, N in ((37, 33), (160, 48), (7, 1)) + (((4100, 20),) if dtype != torch.float64 else ()):
+        offs = torch.tensor([3, 3, 5, 9, 310, 330], dtype=torch.int32)  # 3, 0, 2, 4, 301, 20 rows
+        G, M = offs.numel(), 333  # offs[-1] = 330: three trailing rows
+        yield "2d3d [G, K, N]", r(M, K), r(G, K, N), offs, r(G, N)
+        yield "2d3d [G, N, K]^T", r(M, K), r(G, N, K).transpose(1, 2), offs, r(G, N)
+        yield "2d2d x^T", r(M, K).t(), r(M, N), offs, None
+        yield "2d2d [K, M]", r(K, M), r(M, N), offs, None
+        yield "3d3d", r(G, 5, K), r(G, K, N), None, r(G, N)
+        yield "3d2d", r(G, 5, K), r(K, N + 30), torch.tensor([0, 2, 2, 9, 20, N + 29], dtype=torch.int32), None
+
+
+def main(levels):
+    isa_of = {"generic": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
+    for level in levels:
+        isa, scheme = level.split(":")
+        n = 0
+        for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.float64):
+            for what, a, b, offs, bias in problems(dtype):
+                for at_end in (True, False):
+                    ga, gb = guarded(a, at_end), guarded(b, at_end)
+                    go = None if offs is None else guarded(offs, at_end)
+                    gbias = None if bias is None else guarded(bias, at_end)
+                    for out_dtype in {dtype, torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype}:
+                        out = torch.ops.moe_cpu.grouped_mm(_contract.layout_of(a, b), ga, gb, go, gbias, out_dtype,
+                                                           isa_of[isa], int(scheme))
+                        b64 = None if bias is None else bias.double()
+                        ref64 = moe_ops.reference.grouped_mm(a.double(), b.double(), offs, b64)
+                        ref_same = moe_ops.reference.grouped_mm(a, b, offs, bias, out_dtype=out_dtype)
+                        mag = moe_ops.reference.grouped_mm(a.double().abs(), b.double().abs(), offs,
+                                                           None if b64 is None else b64.abs())
+                        assert_close(out, ref64, ref_same, mag, what=f"{level} {dtype} {what} -> {out_dtype}")
+                        n += 1
+        print(f"{level}: {n} calls, operands at page ends and starts, all match", flush=True)
+
+
+if __name__ == "__main__":
+    import moe_ops._cpu  # noqa: F401  (registers torch.ops.moe_cpu)
+
+    main(sys.argv[1:])
