@@ -1078,3 +1078,4 @@ def test_benchmark_memory_floor():
     assert bench.floor_ratio({**row, "peers": {"dense torch.mm": {"median_ms": 5.0}}}, 4.194304) == 1.0
     assert 0.1 < bench.memory_bandwidth(1 << 20, write=False) < 1e4
     assert 0.1 < bench.memory_bandwidth(1 << 20, write=True) < 1e4
+    assert 0.1 < bench.memory_bandwidth(64 << 20, write=False, cold=True) < 1e4
