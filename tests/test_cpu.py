@@ -9,7 +9,8 @@ Categories:
 * the work split: many tiny and empty groups, results bitwise identical for any thread count;
   groups of up to four rows (decode) through dot products along k or streamed rows of W;
 * memory: uninitialised outputs and reused scratch never leak into results (NaN poisoning),
-  and element offsets past 2**31 are computed in 64 bits;
+  element offsets past 2**31 are computed in 64 bits, and no level reads past an operand that
+  ends at an unreadable page (tests/guard_pages.py, in a subprocess);
 * the output cache: freed large outputs' blocks are reused, bounded, released on request, seen
   by the memory profiler, safe across fork(), and a reused block (written with non-temporal
   stores) is overwritten completely;
