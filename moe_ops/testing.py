@@ -11,7 +11,7 @@ import torch
 from . import _contract, backends, reference
 from .backends import BackendUnavailable
 
-__all__ = ["backend_names", "run_backend", "tolerance", "assert_close", "BackendUnavailable"]
+__all__ = ["backend_names", "run_backend", "tolerance", "assert_close", "reference_results", "BackendUnavailable"]
 
 
 def backend_names() -> list:
@@ -72,6 +72,18 @@ def tolerance(ref64: torch.Tensor, ref_same: torch.Tensor, magnitude: torch.Tens
     same_err = (ref_same.double() - ref64).abs().max().item()
     out_ulp = torch.finfo(ref_same.dtype).eps * ref64.abs().max().item()
     return 2.0 * same_err + out_ulp + 2.0 * acc_eps * magnitude.double().abs().max().item()
+
+
+def reference_results(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """(ref64, ref_same, magnitude) for ``assert_close``, from ``moe_ops.reference``: the problem
+    in float64, in the inputs' precision with ``out_dtype``, and in float64 on absolute values.
+    For problems too large for an einsum oracle (tests compare small ones against one that
+    shares no code with the reference)."""
+    b64 = None if bias is None else bias.double()
+    ref64 = reference.grouped_mm(mat_a.double(), mat_b.double(), offs, b64)
+    ref_same = reference.grouped_mm(mat_a, mat_b, offs, bias, out_dtype=out_dtype)
+    mag = reference.grouped_mm(mat_a.double().abs(), mat_b.double().abs(), offs, None if b64 is None else b64.abs())
+    return ref64, ref_same, mag
 
 
 def assert_close(out, ref64, ref_same, magnitude, what: str = "") -> None:

@@ -1,7 +1,7 @@
 """Every CPU kernel level on operands that end where readable memory ends (the next page is
 PROT_NONE) or begin right after an unreadable page: any read past either end, a full vector
 where a masked one was meant, say, kills the process with SIGSEGV. Run by test_cpu.py in a
-subprocess (``python tests/guard_pages.py LEVEL...``), which checks the exit status and that
+subprocess (``python tests/guard_pages.py ISA:SCHEME...``), which checks the exit status and that
 every result matches the reference; prints one line per level."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import sys
 
 import torch
 
-import moe_ops
 from moe_ops import _contract
-from moe_ops.testing import assert_close
+from moe_ops.testing import assert_close, reference_results
 
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -62,26 +61,21 @@ def problems(dtype):
 
 
 def main(levels):
-    isa_of = {"generic": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
-    for level in levels:
-        isa, scheme = level.split(":")
-        n = 0
-        for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.float64):
-            for what, a, b, offs, bias in problems(dtype):
-                for at_end in (True, False):
-                    ga, gb = guarded(a, at_end), guarded(b, at_end)
-                    go = None if offs is None else guarded(offs, at_end)
-                    gbias = None if bias is None else guarded(bias, at_end)
-                    for out_dtype in {dtype, torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype}:
+    """levels: "isa:bf16_scheme" pairs, the op's private arguments (isa 0 generic .. 3 AMX)."""
+    calls = dict.fromkeys(levels, 0)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.float64):
+        for what, a, b, offs, bias in problems(dtype):
+            placed = [[None if x is None else guarded(x, at_end) for x in (a, b, offs, bias)] for at_end in (True, False)]
+            for out_dtype in {dtype, torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype}:
+                refs = reference_results(a, b, offs, bias, out_dtype)
+                for level in levels:
+                    isa, scheme = (int(v) for v in level.split(":"))
+                    for ga, gb, go, gbias in placed:
                         out = torch.ops.moe_cpu.grouped_mm(_contract.layout_of(a, b), ga, gb, go, gbias, out_dtype,
-                                                           isa_of[isa], int(scheme))
-                        b64 = None if bias is None else bias.double()
-                        ref64 = moe_ops.reference.grouped_mm(a.double(), b.double(), offs, b64)
-                        ref_same = moe_ops.reference.grouped_mm(a, b, offs, bias, out_dtype=out_dtype)
-                        mag = moe_ops.reference.grouped_mm(a.double().abs(), b.double().abs(), offs,
-                                                           None if b64 is None else b64.abs())
-                        assert_close(out, ref64, ref_same, mag, what=f"{level} {dtype} {what} -> {out_dtype}")
-                        n += 1
+                                                           isa, scheme)
+                        assert_close(out, *refs, what=f"{level} {dtype} {what} -> {out_dtype}")
+                        calls[level] += 1
+    for level, n in calls.items():
         print(f"{level}: {n} calls, operands at page ends and starts, all match", flush=True)
 
 
