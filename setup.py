@@ -51,7 +51,7 @@ def _extensions():
 
     cpu = CppExtension(
         "moe_ops._cpu",
-        ["csrc/cpu/grouped_mm.cpp", "csrc/cpu/kernels_x86.cpp", "csrc/cpu/output_cache.cpp"],
+        ["csrc/cpu/grouped_mm.cpp", "csrc/cpu/kernels_x86.cpp", "csrc/cpu/kernels_avx2.cpp", "csrc/cpu/output_cache.cpp"],
         # -fopenmp: at::parallel_for is OpenMP in torch's CPU wheels and is inlined here; the
         # x86 kernels select their instruction set with a pragma and are used only after a
         # CPUID check, so the build needs no -march flag and runs on any x86-64.

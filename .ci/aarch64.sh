@@ -45,9 +45,9 @@ link() {  # module name, extra flags (one word), sources...
     for src in "$@"; do objs+=("$out/$(basename "$src" .cpp).o"); done
     "$CXX" -shared $extra -o "$out/$name.so" "${objs[@]}" -L"$T/lib" -lc10 -ltorch -ltorch_cpu -ltorch_python
 }
-cpu_sources=(csrc/cpu/grouped_mm.cpp csrc/cpu/kernels_x86.cpp csrc/cpu/output_cache.cpp)
+cpu_sources=(csrc/cpu/grouped_mm.cpp csrc/cpu/kernels_x86.cpp csrc/cpu/kernels_avx2.cpp csrc/cpu/output_cache.cpp)
 autograd_sources=(csrc/autograd/grouped_mm_autograd.cpp)
-# The four compiles side by side (most of the time is torch's headers).
+# The five compiles side by side (most of the time is torch's headers).
 pids=()
 for src in "${cpu_sources[@]}"; do compile _cpu "-O3 -fopenmp" "$src" & pids+=($!); done
 compile _autograd "-O2" "${autograd_sources[0]}" & pids+=($!)

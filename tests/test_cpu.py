@@ -49,11 +49,11 @@ cpu_backend = backends.module("cpu")
 pytestmark = pytest.mark.skipif(cpu_backend.status().mode is None,
                                 reason=f"backend cpu cannot run here: {cpu_backend.status().detail}")
 
-ISA = {"generic": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
+ISA = {"generic": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx": 4}
 # The kernel levels the tests run: every instruction set, and the three bf16 schemes of
 # AVX512-BF16 (the op's bf16_scheme: 0 direct, 1 swapped in 256-bit lanes, 2 swapped in 512-bit
 # lanes; the machine picks one, tests force each, on any CPU with AVX512-BF16).
-LEVELS = {"generic": ("generic", -1), "avx512": ("avx512", -1), "avx512_bf16": ("avx512_bf16", 0),
+LEVELS = {"generic": ("generic", -1), "avx2": ("avx2", -1), "avx512": ("avx512", -1), "avx512_bf16": ("avx512_bf16", 0),
           "avx512_bf16_swapped": ("avx512_bf16", 1), "avx512_bf16_swapped512": ("avx512_bf16", 2),
           "amx": ("amx", -1)}
 SWAPPED = ("avx512_bf16_swapped", "avx512_bf16_swapped512")
@@ -273,7 +273,7 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("isa", machine_levels(("avx512", "avx512_bf16", "amx")))
+@pytest.mark.parametrize("isa", machine_levels(("avx2", "avx512", "avx512_bf16", "amx")))
 def test_weight_gradient_x_transposed_is_packed_k_major(isa, dtype):
     """The weight gradient's x^T (column-major A) is packed k-major for items of 24+ rows: the
     sums must be bitwise those of the same values in a row-major copy (packed row by row, the same
@@ -328,14 +328,14 @@ def test_bf16_kernels_on_row_and_column_edges(level, K):
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, None), (torch.float16, None),
                                              (torch.float16, torch.float32), (torch.bfloat16, None)], ids=str)
 def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
-    """Groups of 1-4 rows (decode) on the FMA path: dot products along k with k-contiguous
-    weights ([G, N, K] viewed as [G, K, N]; fp32 up to 8 rows, in two passes of 4), rows of W
+    """Groups of 1-4 rows (decode) on the FMA paths: dot products along k with k-contiguous
+    weights ([G, N, K] viewed as [G, K, N]; AVX-512 fp32 up to 8 rows, in two passes of 4), rows of W
     streamed with n-contiguous ones ([G, K, N]); larger groups the blocked kernel. A call mixing
     both, with a bias, K not a multiple of 16, columns not a multiple of 4, a strided mat_a and
     empty groups, against the oracle, and bitwise identical for any thread count (the kernel is
     chosen per group, not per item)."""
     if torch.ops.moe_cpu.machine() == "generic":
-        pytest.skip("this CPU has no AVX-512: the dot-product kernel is x86 AVX-512 code")
+        pytest.skip("this CPU has neither AVX2 nor AVX-512: the dot-product kernels are x86 code")
     gen = torch.Generator().manual_seed(5)
     G, K, N = 14, 83, 45
     # 0-11 rows: both kernels (every size from 4 to 9 once); few groups, so that with more threads
@@ -349,9 +349,13 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     else:
         b = torch.randn(G, K, N, generator=gen).to(dtype)
     bias = torch.randn(G, N, generator=gen).to(dtype)
-    # bf16 reaches these paths only below AMX: with plain AVX-512 (fp32 FMA) and with AVX512-BF16
-    # (the larger groups on VDPBF16PS), where the machine has it.
-    isas = ["amx"] if dtype != torch.bfloat16 else [i for i in ("avx512", "avx512_bf16") + SWAPPED if has_level(i)]
+    # The AVX2 kernels (groups of up to 4 rows in every dtype) on every machine with AVX2; bf16
+    # reaches the AVX-512 ones only below AMX: with plain AVX-512 (fp32 FMA) and with AVX512-BF16
+    # (the larger groups on VDPBF16PS), where the machine has them.
+    if dtype != torch.bfloat16:
+        isas = ["avx2"] + (["amx"] if has_level("avx512") else [])
+    else:
+        isas = [i for i in ("avx2", "avx512", "avx512_bf16") + SWAPPED if has_level(i)]
     for isa in isas:
         out = run_any_threads((a, b, offs, bias, out_dtype), isa)
         check(out, a, b, offs, bias, out_dtype, what=f"{isa} {dtype} {out_dtype}")
@@ -468,10 +472,10 @@ def test_stale_nan_in_scratch_and_output_memory_never_leaks(isa):
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d", "3d3d"])
 def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
     """Large groups take ATen's multi-threaded mm (fp32 from 2**26 multiply-adds, except on AMD
-    CPUs at the AVX-512 level, hence the generic level too; bf16 from 2**28 only below the
-    AVX512-BF16 level, so also with the level capped at AVX-512), the others the items; one call
-    mixes both (and a group with a bias or fp32 output never takes the mm path). On AMD CPUs the
-    fp32 call at the best level runs every group on the items."""
+    CPUs at the AVX2 and AVX-512 levels, hence the generic level too; bf16 from 2**28 only at the
+    generic and AVX-512 levels), the others the items; one call mixes both (and a group with a
+    bias or fp32 output never takes the mm path). The best level runs every group on the items
+    where the rules say so (AMD fp32, bf16 on AVX2, AVX512-BF16 and AMX)."""
     gen = torch.Generator().manual_seed(1)
     big, K, N = 1040, 512, 520  # 1040 * 512 * 520 > 2**28
     shapes = {"2d3d": ((big + 70, K), (3, K, N)), "2d2d": ((N, big + 70), (big + 70, K)),
@@ -484,7 +488,7 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
     if torch.ops.moe_cpu.machine() == "generic":
         isas = ["amx"]
     else:
-        isas = ["avx512", "amx"] if dtype == torch.bfloat16 else ["generic", "amx"]
+        isas = ["avx512" if dtype == torch.bfloat16 and has_level("avx512") else "generic", "amx"]
     for isa, out_dtype in itertools.product(isas, [None, torch.float32] if dtype == torch.bfloat16 else [None]):
         check_by_reference(run((a, b, o, None, out_dtype), isa), a, b, o, None, out_dtype,
                            what=f"{isa} {layout} {dtype} {out_dtype}")

@@ -60,11 +60,14 @@ Isa detect_isa_x86() {
   if (!__get_cpuid(1, &a, &b, &c, &d)) return Isa::generic;
   const bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29);
   if (!osxsave || !fma || !f16c) return Isa::generic;
-  // The OS saves SSE, AVX, opmask and both halves of the ZMM registers.
-  if ((xgetbv0() & 0xE6) != 0xE6) return Isa::generic;
+  // The OS saves the SSE and AVX state (the AVX2 level needs no more).
+  if ((xgetbv0() & 0x6) != 0x6) return Isa::generic;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return Isa::generic;
+  const bool avx2 = b & (1u << 5);
+  if (!avx2) return Isa::generic;
   const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));  // F DQ BW VL
-  if (!avx512) return Isa::generic;
+  // AVX-512 also needs the OS to save the opmask registers and both halves of the ZMM registers.
+  if (!avx512 || (xgetbv0() & 0xE6) != 0xE6) return Isa::avx2;
   const bool amx = (d & (1u << 24)) && (d & (1u << 22));  // AMX-TILE, AMX-BF16
   unsigned a1 = 0, b1, c1, d1;
   const bool bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 & (1u << 5));  // AVX512-BF16
@@ -131,17 +134,18 @@ const char* isa_name(Isa isa) {
     case Isa::amx: return "amx";
     case Isa::avx512bf16: return "avx512_bf16";
     case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
     default: return "generic";
   }
 }
 
-// The best instruction set of this machine, capped by MOE_OPS_CPU_ISA=generic|avx512|avx512_bf16|amx.
+// The best instruction set of this machine, capped by MOE_OPS_CPU_ISA=generic|avx2|avx512|avx512_bf16|amx.
 Isa machine_isa() {
   static const Isa isa = [] {
     Isa best = detect_isa();
     const char* env = std::getenv("MOE_OPS_CPU_ISA");
     if (env != nullptr) {
-      for (Isa cap : {Isa::generic, Isa::avx512, Isa::avx512bf16, Isa::amx}) {
+      for (Isa cap : {Isa::generic, Isa::avx2, Isa::avx512, Isa::avx512bf16, Isa::amx}) {
         if (std::strcmp(env, isa_name(cap)) == 0 && (int)cap < (int)best) best = cap;
       }
     }
@@ -379,6 +383,14 @@ std::vector<double> item_costs(const std::vector<Task>& tasks, const std::vector
   return cost;
 }
 
+// Per-thread scratch of at least `bytes`, 64-byte aligned, reused across calls (packed operands:
+// at most ~1 MiB for K <= 1024).
+void* thread_scratch(int64_t bytes) {
+  thread_local std::vector<char> scratch;
+  if ((int64_t)scratch.size() < bytes + 64) scratch.resize(bytes + 64);
+  return reinterpret_cast<void*>(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
+}
+
 void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
   const int64_t threads = at::get_num_threads();
   const int64_t n_align = (isa == Isa::amx && in == Dt::bf16) ? 32 : 64;
@@ -391,13 +403,21 @@ void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
       item_costs(tasks, items),
       [&] {
         x86::thread_begin(isa, in);
-        // Per-thread scratch, reused across calls (packed operands: at most ~1 MiB for K <= 1024).
-        thread_local std::vector<char> scratch;
-        if ((int64_t)scratch.size() < ws_bytes + 64) scratch.resize(ws_bytes + 64);
-        return reinterpret_cast<void*>(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
+        return thread_scratch(ws_bytes);
       },
       [&](int64_t i, void* ws) { x86::run_item(isa, in, out, tasks[items[i].task], items[i], ws); },
       [&](void*) { x86::thread_end(isa, in); });
+}
+
+void run_avx2(Dt in, Dt out, const std::vector<Task>& tasks) {
+  const auto items = make_items(
+      tasks, at::get_num_threads(), 64, [&](const Task& t) { return avx2::max_item_rows(in, t); },
+      [&](const Task& t) { return avx2::whole_row_items(in, t); });
+  int64_t ws_bytes = 0;
+  for (const auto& t : tasks) ws_bytes = std::max(ws_bytes, avx2::workspace_bytes(in, t));
+  run_items(
+      item_costs(tasks, items), [&] { return thread_scratch(ws_bytes); },
+      [&](int64_t i, void* ws) { avx2::run_item(in, out, tasks[items[i].task], items[i], ws); }, [](void*) {});
 }
 
 // The portable path: ATen's mm (MKL / oneDNN / ATen's blas) on each item's views, single-threaded
@@ -439,7 +459,7 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
 // other; the rest share one parallel region of items. Only for out_dtype == input dtype and no
 // bias (ATen has no bf16 x bf16 -> fp32 mm, and the bias must be added before the one rounding).
 // * fp32, from 2^26 multiply-adds (m >= 64 rows at K = 1024, N = 1024), to MKL, except on AMD
-//   CPUs (amd_cpu_family) at the AVX-512 level. Measured on an Intel AMX-class VM (2026-11-29;
+//   CPUs (amd_cpu_family) at the AVX2 and AVX-512 levels. Measured on an Intel AMX-class VM (2026-11-29;
 //   2 threads, 15 interleaved rounds, medians, time / dense mm), 2^28 -> 2^26: OLMoE /2 (G=64,
 //   M=4096, K=1024, N=512) fwd x2.24 -> x2.10 (torch._grouped_mm x2.15); Mixtral /4 (G=8,
 //   M=1024, K=1024, N=3584) fwd x1.52 -> x1.46 (x1.55); G=64, M=2048, K=N=512 x2.39 -> x2.30
@@ -458,8 +478,15 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
 //   ratio to dense), MKL / items: G=8 fwd x0.96 / x0.99, dgrad x0.94 / x0.98, wgrad x1.07 /
 //   x1.15; G=64 and G=256 within 1-4% either way; so Intel CPUs keep this path. At the generic
 //   level (ATen's mm per item; MKL capped to AVX2 on the same VM) the two were within 3-7% either
-//   way, so that level keeps this path.
-// * bf16, from 2^28, to oneDNN, but only on CPUs with neither AMX nor AVX512-BF16. With AMX every
+//   way, so that level keeps this path. At the AVX2 level on a Zen 2 VM (family 23, 2026-12-02;
+//   2 threads, caches flushed, group sizes drawn per call, 8 rounds, ratio to dense), MKL /
+//   items: G=8, M=4096, K=1024, N=2048 fwd x0.97 / x0.81, dgrad x0.95 / x0.94, wgrad x1.07 /
+//   x1.12; so AMD CPUs keep the items there too. Intel CPUs without AVX-512: not measured (none
+//   here); they keep MKL, whose home they are.
+// * bf16, from 2^28, to oneDNN, but only at the generic and AVX-512 levels. At the AVX2 level
+//   oneDNN has no bf16 kernel worth the name: on a Zen 2 VM (2026-12-02, 2 threads) the G=8,
+//   M=4096, K=1024, N=2048 input gradient took 58 s that way (0.3 GFLOP/s), and the AVX2 items
+//   convert bf16 to fp32 as they pack (kernels_avx2.cpp). With AMX every
 //   group runs on our items (amx_item_panels for large ones): oneDNN generates code for every new
 //   group size (its primitive cache is keyed by the shape), and in a MoE layer the sizes change
 //   on every call.
@@ -521,7 +548,7 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   std::vector<Task> small;
   const bool whole_groups_ok =
       out_dtype == dtype && ((dtype == at::kFloat && (isa == Isa::generic || amd_cpu_family() == 0)) ||
-                             (dtype == at::kBFloat16 && isa < Isa::avx512bf16));
+                             (dtype == at::kBFloat16 && (isa == Isa::generic || isa == Isa::avx512)));
   for (const Task& t : p.tasks) {
     if (whole_groups_ok && t.bias == nullptr && is_big(t, dtype)) {
       run_big(dtype, t);
@@ -533,7 +560,8 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
     run_generic(dtype, out_dtype, small);
   } else {
 #if defined(__x86_64__) || defined(_M_X64)
-    run_x86(isa, to_dt(dtype), to_dt(out_dtype), small);
+    if (isa == Isa::avx2) run_avx2(to_dt(dtype), to_dt(out_dtype), small);
+    else run_x86(isa, to_dt(dtype), to_dt(out_dtype), small);
 #endif
   }
   return p.out;
@@ -556,8 +584,8 @@ std::vector<int64_t> cache_info() { return {cache_cached_bytes(), cache_limit_by
 // dispatcher may be gone by the time static destructors run.
 void register_ops() {
   auto* def = new torch::Library(torch::Library::DEF, "moe_cpu", std::nullopt, __FILE__, __LINE__);
-  // isa: -1 = best for this machine, 0 = generic (ATen mm per item), 1 = AVX-512, 2 = AVX-512
-  // with AVX512-BF16, 3 = AMX; a value above what the machine has means the best it has.
+  // isa: -1 = best for this machine, 0 = generic (ATen mm per item), 1 = AVX2, 2 = AVX-512,
+  // 3 = AVX-512 with AVX512-BF16, 4 = AMX; a value above what the machine has means the best it has.
   // bf16_scheme (bf16 on AVX512-BF16 without AMX, k-contiguous operands): -1 = this CPU's
   // choice (default_bf16_scheme), 0 = direct, 1 = swapped in 256-bit lanes, 2 = swapped in 512-bit
   // lanes.

@@ -1,4 +1,5 @@
-// Interface between the ATen glue (grouped_mm.cpp) and the x86 kernels (kernels_x86.cpp).
+// Interface between the ATen glue (grouped_mm.cpp) and the x86 kernels (kernels_x86.cpp: AVX-512
+// and AMX; kernels_avx2.cpp: AVX2).
 //
 // Only plain C types cross this boundary: kernels_x86.cpp is compiled with AVX-512/AMX code
 // generation enabled and must not instantiate any template that another translation unit could
@@ -13,9 +14,10 @@ namespace moe_cpu {
 enum class Dt : int32_t { f32 = 0, bf16 = 1, f16 = 2, f64 = 3 };
 
 // Instruction sets the kernels can use, best last. Picked at run time from CPUID and the OS.
+// avx2: AVX2 with FMA and F16C, no AVX-512 (AMD Zen 1-3, Intel Haswell and client chips).
 // avx512bf16: AVX-512 with AVX512-BF16's dot product (VDPBF16PS), used for bf16 inputs (AMD Zen 4
 // and later, Intel Cooper Lake; Sapphire Rapids and later have it too, beside AMX).
-enum class Isa : int32_t { generic = 0, avx512 = 1, avx512bf16 = 2, amx = 3 };
+enum class Isa : int32_t { generic = 0, avx2 = 1, avx512 = 2, avx512bf16 = 3, amx = 4 };
 
 constexpr int32_t kBf16Direct = 0, kBf16Swapped256 = 1, kBf16Swapped512 = 2;
 // One matrix product C[m, n] = A[m, k] @ B[k, n] (+ bias[n]), strides in elements, any sign
@@ -62,4 +64,15 @@ void thread_end(Isa isa, Dt in);
 void run_item(Isa isa, Dt in, Dt out, const Task& task, const Item& item, void* workspace);
 
 }  // namespace x86
+
+// The AVX2 level (kernels_avx2.cpp): the same entry points for Isa::avx2, whose items need no
+// per-thread set-up.
+namespace avx2 {
+
+int64_t max_item_rows(Dt in, const Task& task);
+bool whole_row_items(Dt in, const Task& task);
+int64_t workspace_bytes(Dt in, const Task& task);
+void run_item(Dt in, Dt out, const Task& task, const Item& item, void* workspace);
+
+}  // namespace avx2
 }  // namespace moe_cpu

@@ -11,6 +11,10 @@ at::parallel_for region share, and computes each item with:
   rows of A in 256-bit lanes on Zen 4 and 512-bit ones on Zen 5);
 * "avx512": fp32 / fp16 / fp64, and bf16 on other AVX-512 CPUs (AVX-512 FMA, fp32 or fp64
   accumulation);
+* "avx2": every dtype on x86-64 CPUs with AVX2 and FMA but no AVX-512, e.g. AMD Zen 1-3 and
+  Intel Haswell to the client chips (256-bit FMA; bf16 and fp16 converted to fp32 as they are
+  packed, fp32 accumulation; fp64 in fp64). ATen has no fast bf16 matmul there (oneDNN reached
+  1-6 GFLOP/s on a Zen 2, against ~50 in fp32), so this is what makes bf16 usable on them;
 * "aten": ATen's mm on the item's views (any other CPU, or ``MOE_OPS_CPU_ISA=generic``).
 
 Groups of one to four rows (decode: one row per chosen expert) take kernels made for them: dot
@@ -18,8 +22,9 @@ products along k with k-contiguous weights (with AMX only from K = 4096), the ro
 with n-contiguous ones.
 
 Groups of at least 2**28 multiply-adds in bf16 (only on the "avx512" and "aten" levels), 2**26
-in fp32 (not on AMD CPUs at the "avx512" level, where the items are faster; no bias, output in
-the input dtype) are computed whole by ATen's mm with all threads (oneDNN/MKL), before the items.
+in fp32 (not on AMD CPUs at the "avx2" and "avx512" levels, where the items are faster; no bias,
+output in the input dtype) are computed whole by ATen's mm with all threads (oneDNN/MKL), before
+the items.
 
 Outputs of 8 MiB and more come from a per-process cache of mapped memory (csrc/cpu/
 output_cache.cpp): a freed output's block is kept (marked MADV_FREE after a second unused, so
@@ -32,7 +37,7 @@ most 1024; 0 turns the cache off); ``moe_ops.empty_cpu_cache()`` releases them.
 huge pages in place: the kernels stream the weights on every call, and from 4 KiB pages a core
 streams them slower (a page walk per page; README, "Huge pages for the weights").
 
-``MOE_OPS_CPU_ISA=generic|avx512|avx512_bf16`` caps the instruction set (read once per process). The
+``MOE_OPS_CPU_ISA=generic|avx2|avx512|avx512_bf16`` caps the instruction set (read once per process). The
 compiled module is optional: when it is missing (no compiler at install time, a build with
 MOE_OPS_NO_EXTENSION=1) or was built against another torch (it checks before registering
 anything), ``status()`` says why and the op computes CPU calls with the

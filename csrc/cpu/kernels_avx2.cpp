@@ -1,0 +1,701 @@
+// AVX2 kernels of moe_ops' CPU grouped matmul, for x86-64 CPUs with AVX2, FMA and F16C but no
+// AVX-512 (AMD Zen 1-3, Intel Haswell to Comet Lake and the client chips since; grouped_mm.cpp
+// checks CPUID and the OS first). All four dtypes on 256-bit FMA: fp32, bf16 and fp16 converted
+// to fp32 as they are packed and accumulated in fp32, fp64 in fp64.
+//
+// Why these exist: on such CPUs ATen's CPU matmul has no fast bf16 path. Measured on a 2-core AMD
+// EPYC (Zen 2, family 23, model 49) VM, 2026-12-02, torch 2.13.0 (oneDNN 3.12, MKL 2024.2), one
+// thread, 512 x 1024 @ 1024 x 512: fp32 torch.mm 48 GFLOP/s (MKL), bf16 torch.mm 1.1 GFLOP/s
+// with a row-major right operand and 6.5 GFLOP/s with a transposed one. So bf16 grouped matmuls
+// through ATen (the "generic" level, torch._grouped_mm, a loop of torch.mm) run 10-40x slower
+// than the same problem in fp32; here bf16 costs what fp32 does, less the bytes.
+//
+// Like kernels_x86.cpp, this file is compiled with its instruction sets switched on (the pragma
+// below), includes only C headers, and keeps everything but the entry points in an anonymous
+// namespace, so that none of its code can be picked by the linker for code that runs elsewhere.
+//
+// Work unit: one Item = rows [m0, m1) x columns [n0, n1) of one Task (C = A @ B + bias). An item
+// packs its rows of A once (fp32 / fp64, row-major; k-major for a column-major A, the weight
+// gradient's x^T), then walks its columns in panels of NR = 2 vectors (16 fp32 or 8 fp64
+// columns) and K in blocks of kKC, packs each block of B once and multiplies it into every row
+// block of kMR = 6 rows: 6 x 2 accumulators (12 of the 16 ymm registers), two loads of B and six
+// broadcasts of A per k. Each output element is summed over k in order, in one accumulator, so
+// its value does not depend on how the call is cut into items or threads. Every element of C in
+// the item is written (k == 0 gives the bias or zeros); C gets one rounding, the bias added
+// before it.
+
+#if defined(__x86_64__) || defined(_M_X64)
+
+#pragma GCC target("avx2,fma,f16c")
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+namespace moe_cpu {
+namespace avx2 {
+namespace {
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// ---------------------------------------------------------------------------------------------
+// Element types and conversions. bf16 rounding is round-to-nearest-even with NaN kept quiet, as
+// c10::BFloat16 does; fp16 goes through F16C (round to nearest even, denormals kept).
+
+template <Dt D> struct Ty;
+template <> struct Ty<Dt::f32> {
+  using T = float;
+  using Acc = float;
+  static float get(const float* p) { return *p; }
+  static void put(float* p, float v) { *p = v; }
+};
+template <> struct Ty<Dt::bf16> {
+  using T = uint16_t;
+  using Acc = float;
+  static float get(const uint16_t* p) {
+    const uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+  }
+  static void put(uint16_t* p, float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    *p = f != f ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+};
+template <> struct Ty<Dt::f16> {
+  using T = uint16_t;
+  using Acc = float;
+  static float get(const uint16_t* p) { return _cvtsh_ss(*p); }
+  static void put(uint16_t* p, float v) { *p = (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+};
+template <> struct Ty<Dt::f64> {
+  using T = double;
+  using Acc = double;
+  static double get(const double* p) { return *p; }
+  static void put(double* p, double v) { *p = v; }
+};
+
+// Eight contiguous elements as fp32 (D != f64), or four as fp64 (D == f64): one vector of the
+// accumulation type. Whole vectors only; the edges go through `load_part`.
+template <Dt D> inline auto load_vec(const typename Ty<D>::T* p);
+template <> inline auto load_vec<Dt::f32>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline auto load_vec<Dt::bf16>(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+template <> inline auto load_vec<Dt::f16>(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+template <> inline auto load_vec<Dt::f64>(const double* p) { return _mm256_loadu_pd(p); }
+
+// The accumulation-type vector of a dtype: 8 fp32 or 4 fp64 lanes.
+template <Dt D> struct Vec {
+  using V = __m256;
+  using S = float;
+  static constexpr int64_t L = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const S* p) { return _mm256_load_ps(p); }
+  static void store(S* p, V v) { _mm256_store_ps(p, v); }
+  static V bcast(const S* p) { return _mm256_broadcast_ss(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+};
+template <> struct Vec<Dt::f64> {
+  using V = __m256d;
+  using S = double;
+  static constexpr int64_t L = 4;
+  static V zero() { return _mm256_setzero_pd(); }
+  static V load(const S* p) { return _mm256_load_pd(p); }
+  static void store(S* p, V v) { _mm256_store_pd(p, v); }
+  static V bcast(const S* p) { return _mm256_broadcast_sd(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_pd(a, b); }
+};
+
+// `count` (< one vector) contiguous elements as a vector, zero past them: the edges of rows, read
+// element by element so that nothing past the last one is touched.
+template <Dt D>
+inline typename Vec<D>::V load_part(const typename Ty<D>::T* p, int64_t count) {
+  alignas(32) typename Vec<D>::S tmp[Vec<D>::L] = {};
+  for (int64_t i = 0; i < count; ++i) tmp[i] = Ty<D>::get(p + i);
+  return Vec<D>::load(tmp);
+}
+
+// fp32 -> 8 bf16, round to nearest even, NaN -> 0x7FC0 (the scalar rule of Ty<bf16>::put).
+inline __m128i f32_to_bf16x8(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+  // 32-bit lanes (each < 2^16) to 16-bit: packus works within 128-bit halves.
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// One accumulation-type vector to `count` elements of dtype O at p, sn apart; non-temporal where
+// `stream` and a whole 32-byte-aligned vector allow.
+template <Dt O>
+inline void put_vec(typename Ty<O>::T* p, int64_t sn, typename Vec<O == Dt::f64 ? Dt::f64 : Dt::f32>::V v,
+                    int64_t count, bool stream) {
+  constexpr int64_t L = O == Dt::f64 ? 4 : 8;
+  if (sn == 1 && count >= L) {
+    if constexpr (O == Dt::f32) {
+      if (stream && ((uintptr_t)p & 31) == 0) _mm256_stream_ps(p, v);
+      else _mm256_storeu_ps(p, v);
+    } else if constexpr (O == Dt::f64) {
+      if (stream && ((uintptr_t)p & 31) == 0) _mm256_stream_pd(p, v);
+      else _mm256_storeu_pd(p, v);
+    } else {
+      const __m128i h = O == Dt::bf16 ? f32_to_bf16x8(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+      if (stream && ((uintptr_t)p & 15) == 0) _mm_stream_si128((__m128i*)p, h);
+      else _mm_storeu_si128((__m128i*)p, h);
+    }
+    return;
+  }
+  alignas(32) typename Ty<O>::Acc tmp[L];
+  if constexpr (O == Dt::f64) _mm256_store_pd(tmp, v);
+  else _mm256_store_ps(tmp, v);
+  for (int64_t i = 0; i < imin(L, count); ++i) Ty<O>::put(p + i * sn, tmp[i]);
+}
+
+// The bias of columns n0 .. n0 + count - 1 (zeros past them, or all zeros without a bias) as the
+// accumulation type, `width` values to dst.
+template <Dt D>
+void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* dst, int64_t width) {
+  using T = typename Ty<D>::T;
+  for (int64_t j = 0; j < width; ++j) {
+    dst[j] = t.bias != nullptr && j < count ? Ty<D>::get((const T*)t.bias + (n0 + j) * t.bias_sn) : 0;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The blocked kernel.
+
+constexpr int64_t kMR = 6;
+// k per packed block of B: 256 x 16 fp32 = 16 KiB, half of the 32 KiB L1 of Zen 2 / Haswell, so
+// that it stays there while the item's row blocks go through it, beside a row block of A
+// (6 KiB).
+constexpr int64_t kKC = 256;
+// Widest slab of n-contiguous B packed at once (kKC rows of it, read in memory order), and the
+// most partial sums an item keeps (rows x slab width, fp32 / fp64) across its k blocks.
+constexpr int64_t kWideCols = 512;
+constexpr int64_t kPartBytes = 128 * 1024;
+// The item's packed rows of A stay within this (L2: 512 KiB per core on Zen 2, 256 KiB on
+// Haswell; B's blocks and the partial sums share it).
+constexpr int64_t kAPackBytes = 192 * 1024;
+
+// A run of cache lines to prefetch while one kernel call computes (see Ahead).
+struct PfRun {
+  const char* first;
+  int64_t lines;
+};
+
+// The lines of a block of memory that should arrive while a number of kernel calls compute (the
+// operands the item packs next), handed out an equal share per call: `rows` runs of `run_bytes`,
+// `stride` bytes apart, from p. Prefetches never fault, so a guess past the end of B costs only
+// the instruction.
+struct Ahead {
+  const char* base;
+  int64_t rows, stride, run_lines, per_call, next = 0;
+  Ahead(const void* p, int64_t rows_, int64_t stride_, int64_t run_bytes, int64_t calls)
+      : base((const char*)p), rows(rows_), stride(stride_), run_lines(ceil_div(run_bytes, 64)),
+        per_call(ceil_div(rows_ * ceil_div(run_bytes, 64), imax(calls, 1))) {
+    if (stride == run_lines * 64) {  // back-to-back runs: one
+      run_lines *= rows;
+      rows = rows > 0 ? 1 : 0;
+    }
+  }
+  PfRun take() {
+    if (next >= rows * run_lines) return {nullptr, 0};
+    const int64_t row = next / run_lines, col = next % run_lines, n = imin(per_call, run_lines - col);
+    next += n;
+    return {base + row * stride + col * 64, n};
+  }
+};
+
+// acc[i][j] += sum_{k < kc} A(i, k) * b[k][j*L .. +L) for i < R, j < 2 (b: kc rows of 2 vectors),
+// A(i, k) at a + i * lda + k (row-major packed A) or, with KM, a + k * lda + i (k-major). The
+// lines of `pf` are prefetched spread evenly over the k steps.
+template <class VT, int R, bool KM>
+inline void block_kernel(const typename VT::S* a, int64_t lda, const typename VT::S* b, int64_t kc,
+                         typename VT::V (&acc)[kMR][2], PfRun pf) {
+  using V = typename VT::V;
+  constexpr int64_t NR = 2 * VT::L;
+  const int64_t every = pf.lines > 0 ? imax(1, kc / pf.lines) : kc, per = pf.lines > kc ? ceil_div(pf.lines, kc) : 1;
+  for (int64_t k = 0; k < kc;) {
+    for (int64_t q = 0; q < per && pf.lines > 0; ++q, --pf.lines, pf.first += 64) _mm_prefetch(pf.first, _MM_HINT_T1);
+    const int64_t end = imin(kc, k + every);
+#pragma GCC unroll 4
+    for (; k < end; ++k) {
+      const V b0 = VT::load(b + k * NR), b1 = VT::load(b + k * NR + VT::L);
+#pragma GCC unroll 6
+      for (int i = 0; i < R; ++i) {
+        const V av = VT::bcast(KM ? a + k * lda + i : a + i * lda + k);
+        acc[i][0] = VT::fma(av, b0, acc[i][0]);
+        acc[i][1] = VT::fma(av, b1, acc[i][1]);
+      }
+    }
+  }
+}
+
+// One row block (R rows from row0) x one panel (nc <= NR columns from col0) over one k block:
+// the accumulators start at zero (first) or from `part`, and end in C (last, with the bias and
+// the one rounding) or in `part`. Out of line so that each R gets its own register allocation.
+template <Dt D, Dt O, int R, bool KM>
+__attribute__((noinline)) void rows_block(const Task& t, int64_t row0, int64_t col0, int64_t nc,
+                                          const typename Vec<D>::S* a, int64_t lda, const typename Vec<D>::S* b,
+                                          int64_t kc, bool first, bool last, typename Vec<D>::S* part,
+                                          const typename Vec<D>::S* bias, PfRun pf) {
+  using VT = Vec<D>;
+  constexpr int64_t NR = 2 * VT::L;
+  typename VT::V acc[kMR][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    acc[i][0] = first ? VT::zero() : VT::load(part + i * NR);
+    acc[i][1] = first ? VT::zero() : VT::load(part + i * NR + VT::L);
+  }
+  block_kernel<VT, R, KM>(a, lda, b, kc, acc, pf);
+  if (!last) {
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      VT::store(part + i * NR, acc[i][0]);
+      VT::store(part + i * NR + VT::L, acc[i][1]);
+    }
+    return;
+  }
+  using TO = typename Ty<O>::T;
+  const typename VT::V bias0 = VT::load(bias), bias1 = VT::load(bias + VT::L);
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    TO* c = (TO*)t.c + (row0 + i) * t.c_sm + col0 * t.c_sn;
+    put_vec<O>(c, t.c_sn, VT::add(acc[i][0], bias0), nc, t.stream);
+    if (nc > VT::L) put_vec<O>(c + VT::L * t.c_sn, t.c_sn, VT::add(acc[i][1], bias1), nc - VT::L, t.stream);
+  }
+}
+
+// The item's rows of A, converted to the accumulation type: row-major, row r at dst + r * lda
+// (k < K), or k-major (KM), element (r, k) at dst + k * lda + r (r < rows).
+template <Dt D>
+void pack_a(const Task& t, const Item& it, typename Vec<D>::S* dst, int64_t lda, bool kmajor) {
+  using T = typename Ty<D>::T;
+  constexpr int64_t L = Vec<D>::L;
+  const int64_t rows = it.m1 - it.m0, K = t.k;
+  const T* a = (const T*)t.a + it.m0 * t.a_sm;
+  // Along whichever of r and k is contiguous in the source, a vector at a time.
+  auto copy = [&](const T* src, int64_t step, int64_t count, typename Vec<D>::S* out) {
+    int64_t i = 0;
+    if (step == 1) {
+      for (; i + L <= count; i += L) Vec<D>::store(out + i, load_vec<D>(src + i));
+    }
+    for (; i < count; ++i) out[i] = Ty<D>::get(src + i * step);
+  };
+  if (kmajor) {
+    for (int64_t k = 0; k < K; ++k) copy(a + k * t.a_sk, t.a_sm, rows, dst + k * lda);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) copy(a + r * t.a_sm, t.a_sk, K, dst + r * lda);
+  }
+}
+
+// 8 x 8 fp32 transpose in registers: r[i] lane j <- r[j] lane i.
+inline void transpose8(__m256 r[8]) {
+  __m256 u[8], v[8];
+  for (int i = 0; i < 8; i += 2) {
+    u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    v[i] = _mm256_shuffle_ps(u[i], u[i + 2], 0x44);
+    v[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], 0xEE);
+    v[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0x44);
+    v[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(v[i], v[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(v[i], v[i + 4], 0x31);
+  }
+}
+
+// A panel of k-contiguous B (b_sk == 1): columns n0 .. n0 + nc - 1 (nc <= NR) for k0 .. k0 + kc - 1,
+// to dst as kc rows of NR values (zeros past nc). Each column is a contiguous run of k, read in
+// memory order; fp32 blocks of 8 k x 8 columns are transposed in registers.
+template <Dt D>
+void pack_b_kcontig(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t nc, typename Vec<D>::S* dst) {
+  using T = typename Ty<D>::T;
+  using S = typename Vec<D>::S;
+  constexpr int64_t NR = 2 * Vec<D>::L;
+  const T* b = (const T*)t.b + n0 * t.b_sn + k0;
+  int64_t k = 0;
+  if constexpr (D != Dt::f64) {
+    if (nc == NR) {
+      for (; k + 8 <= kc; k += 8) {
+        for (int h = 0; h < 2; ++h) {
+          __m256 r[8];
+          for (int j = 0; j < 8; ++j) r[j] = load_vec<D>(b + (h * 8 + j) * t.b_sn + k);
+          transpose8(r);
+          for (int q = 0; q < 8; ++q) _mm256_store_ps(dst + (k + q) * NR + h * 8, r[q]);
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < NR; ++j) {
+    for (int64_t q = k; q < kc; ++q) dst[q * NR + j] = j < nc ? (S)Ty<D>::get(b + j * t.b_sn + q) : (S)0;
+  }
+}
+
+// A slab of B with any strides: rows k0 .. k0 + kc - 1, columns n0 .. n0 + wc - 1, as ceil(wc / NR)
+// panels of kc rows x NR values (zeros past wc), panel p at dst + p * kc * NR. With n-contiguous
+// rows (b_sn == 1) each row is read once in memory order across the slab.
+template <Dt D>
+void pack_b_slab(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t wc, typename Vec<D>::S* dst) {
+  using T = typename Ty<D>::T;
+  using VT = Vec<D>;
+  constexpr int64_t L = VT::L, NR = 2 * L;
+  const int64_t panels = ceil_div(wc, NR);
+  for (int64_t k = 0; k < kc; ++k) {
+    const T* row = (const T*)t.b + (k0 + k) * t.b_sk + n0 * t.b_sn;
+    for (int64_t p = 0; p < panels; ++p) {
+      typename VT::S* out = dst + p * kc * NR + k * NR;
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t j = p * NR + h * L, count = imin(L, wc - j);
+        if (t.b_sn == 1 && count == L) {
+          VT::store(out + h * L, load_vec<D>(row + j));
+        } else {
+          alignas(32) typename VT::S tmp[L] = {};
+          for (int64_t x = 0; x < count; ++x) tmp[x] = Ty<D>::get(row + (j + x) * t.b_sn);
+          VT::store(out + h * L, VT::load(tmp));
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Groups of one to four rows (decode: a token sends one row to each of its top-k experts). The
+// blocked kernel would pack every element of the weights for one to four multiply-adds; these
+// read the weights in place, once, in memory order. Chosen by the group's size (never the
+// item's), so that a group's summation order does not depend on how the call is cut.
+
+constexpr int64_t kGemvRows = 4;
+// Rows of W ahead that gemv_block prefetches (the next block's), one line per line it reads.
+constexpr int64_t kGemvAheadRows = 4;
+// Columns of one pass of gemvt (its sums, kGemvRows x this fp32, stay in L1 / L2).
+constexpr int64_t kGemvtCols = 2048;
+constexpr int64_t kGemvtAheadBytes = 16 * 1024;
+
+float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// The item's rows of A as fp32, lda apart, zero from K to lda.
+template <Dt D>
+float* gemv_pack_rows(const Task& t, const Item& it, void* ws, int64_t lda) {
+  using T = typename Ty<D>::T;
+  float* ap = (float*)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
+  for (int64_t r = 0; r < it.m1 - it.m0; ++r) {
+    const T* a = (const T*)t.a + (it.m0 + r) * t.a_sm;
+    for (int64_t k = 0; k < lda; ++k) ap[r * lda + k] = k < t.k ? Ty<D>::get(a + k * t.a_sk) : 0.0f;
+  }
+  return ap;
+}
+
+// k-contiguous weights (W [G, N, K] viewed as [G, K, N], the forward): C[m, n] = A[m, :] . W[n, :]
+// for NJ rows of W from n, R rows of A; fp32 lanes summed once at the end.
+template <Dt D, Dt O, int R, int NJ>
+void gemv_block(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t n, const float* bias) {
+  using T = typename Ty<D>::T;
+  const int64_t K = t.k;
+  const T* w = (const T*)t.b + n * t.b_sn;
+  __m256 acc[NJ][R];
+  for (int j = 0; j < NJ; ++j) {
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  }
+  auto step = [&](int64_t k, const __m256 (&wv)[NJ]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_load_ps(ap + r * lda + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) acc[j][r] = _mm256_fmadd_ps(wv[j], av, acc[j][r]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    if (((k * (int64_t)sizeof(T)) & 63) == 0) {  // the next block's rows (a prefetch never faults)
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) _mm_prefetch((const char*)(w + (j + kGemvAheadRows) * t.b_sn + k), _MM_HINT_T1);
+    }
+    __m256 wv[NJ];
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; ++j) wv[j] = load_vec<D>(w + j * t.b_sn + k);
+    step(k, wv);
+  }
+  if (k < K) {
+    __m256 wv[NJ];
+    for (int j = 0; j < NJ; ++j) wv[j] = load_part<D>(w + j * t.b_sn + k, K - k);
+    step(k, wv);
+  }
+  using TO = typename Ty<O>::T;
+  for (int r = 0; r < R; ++r) {
+    TO* c = (TO*)t.c + (it.m0 + r) * t.c_sm;
+    for (int j = 0; j < NJ; ++j) Ty<O>::put(c + (n + j) * t.c_sn, hsum(acc[j][r]) + bias[j]);
+  }
+}
+
+template <Dt D, Dt O, int R>
+void gemv_rows(const Task& t, const Item& it, const float* ap, int64_t lda) {
+  // Four rows of W side by side with up to two rows of A, two with more (the accumulators and
+  // the rows of W in 16 registers).
+  constexpr int NJ = R <= 2 ? 4 : 2;
+  alignas(32) float bias[8];
+  for (int64_t n = it.n0; n < it.n1;) {
+    const int64_t nj = it.n1 - n >= NJ ? NJ : 1;
+    load_bias<D>(t, n, nj, bias, 8);
+    if (nj == NJ) gemv_block<D, O, R, NJ>(t, it, ap, lda, n, bias);
+    else gemv_block<D, O, R, 1>(t, it, ap, lda, n, bias);
+    n += nj;
+  }
+}
+
+template <Dt D, Dt O>
+void gemv_item(const Task& t, const Item& it, void* ws) {
+  const int64_t lda = round_up(imax(t.k, 1), 8);
+  const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
+  switch (it.m1 - it.m0) {
+    case 4: gemv_rows<D, O, 4>(t, it, ap, lda); break;
+    case 3: gemv_rows<D, O, 3>(t, it, ap, lda); break;
+    case 2: gemv_rows<D, O, 2>(t, it, ap, lda); break;
+    default: gemv_rows<D, O, 1>(t, it, ap, lda); break;
+  }
+}
+
+// n-contiguous weights (W [G, K, N], the input gradient's): C[m, :] = sum over k of A[m, k] *
+// W[k, :], rows of W read in memory order, four side by side, scaled and added into fp32 sums y
+// of the item's rows. Each output element sums its k in order, as the blocked kernel does (the
+// results are the same bit for bit).
+template <Dt D, int R, int KB>
+inline void gemvt_rows_into(const Task& t, const float* ap, int64_t lda, const typename Ty<D>::T* b, int64_t k0,
+                            int64_t nc, float* y, int64_t ldy) {
+  using T = typename Ty<D>::T;
+  const T* row[KB];
+  for (int q = 0; q < KB; ++q) row[q] = b + (k0 + q) * t.b_sk;
+  // Rows further on into L2, one line per line read, at least kGemvtAheadBytes ahead: the rows
+  // are short runs (a few KiB) that the hardware prefetchers would enter late.
+  const int64_t ahead_rows = imax(KB, kGemvtAheadBytes / imax(nc * (int64_t)sizeof(T), 1));
+  const char* ahead = (const char*)(b + (k0 + KB + ahead_rows) * t.b_sk);  // a prefetch never faults
+  for (int64_t j = 0; j < nc; j += 8) {
+    if (((j * (int64_t)sizeof(T)) & 63) == 0) {
+#pragma GCC unroll 4
+      for (int q = 0; q < KB; ++q) _mm_prefetch(ahead + (q * t.b_sk + j) * (int64_t)sizeof(T), _MM_HINT_T1);
+    }
+    __m256 bv[KB];
+    if (j + 8 <= nc) {
+#pragma GCC unroll 4
+      for (int q = 0; q < KB; ++q) bv[q] = load_vec<D>(row[q] + j);
+    } else {
+      for (int q = 0; q < KB; ++q) bv[q] = load_part<D>(row[q] + j, nc - j);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      float* yp = y + r * ldy + j;
+      __m256 acc = _mm256_load_ps(yp);
+#pragma GCC unroll 4
+      for (int q = 0; q < KB; ++q) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(ap + r * lda + k0 + q), bv[q], acc);
+      _mm256_store_ps(yp, acc);
+    }
+  }
+}
+
+template <Dt D, Dt O, int R>
+void gemvt_rows(const Task& t, const Item& it, const float* ap, int64_t lda, float* y) {
+  using TO = typename Ty<O>::T;
+  alignas(32) float bias[8];
+  for (int64_t n0 = it.n0; n0 < it.n1; n0 += kGemvtCols) {
+    const int64_t nc = imin(kGemvtCols, it.n1 - n0), ldy = round_up(nc, 8);
+    for (int64_t i = 0; i < R * ldy; i += 8) _mm256_store_ps(y + i, _mm256_setzero_ps());
+    const auto* b = (const typename Ty<D>::T*)t.b + n0;
+    int64_t k = 0;
+    for (; k + 4 <= t.k; k += 4) gemvt_rows_into<D, R, 4>(t, ap, lda, b, k, nc, y, ldy);
+    for (; k < t.k; ++k) gemvt_rows_into<D, R, 1>(t, ap, lda, b, k, nc, y, ldy);
+    for (int64_t j = 0; j < nc; j += 8) {
+      load_bias<D>(t, n0 + j, imin(8, nc - j), bias, 8);
+      const __m256 bv = _mm256_load_ps(bias);
+      for (int64_t r = 0; r < R; ++r) {
+        TO* c = (TO*)t.c + (it.m0 + r) * t.c_sm + (n0 + j) * t.c_sn;
+        put_vec<O>(c, t.c_sn, _mm256_add_ps(_mm256_load_ps(y + r * ldy + j), bv), nc - j, false);
+      }
+    }
+  }
+}
+
+template <Dt D, Dt O>
+void gemvt_item(const Task& t, const Item& it, void* ws) {
+  const int64_t lda = round_up(imax(t.k, 1), 8);
+  const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
+  float* y = (float*)(((uintptr_t)(ap + kGemvRows * lda) + 63) & ~(uintptr_t)63);
+  switch (it.m1 - it.m0) {
+    case 4: gemvt_rows<D, O, 4>(t, it, ap, lda, y); break;
+    case 3: gemvt_rows<D, O, 3>(t, it, ap, lda, y); break;
+    case 2: gemvt_rows<D, O, 2>(t, it, ap, lda, y); break;
+    default: gemvt_rows<D, O, 1>(t, it, ap, lda, y); break;
+  }
+}
+
+// Which decode kernel a task takes, if any: 1 gemv (k-contiguous W), 2 gemvt (n-contiguous W).
+int gemv_kind(const Task& t) {
+  if (t.m > kGemvRows) return 0;
+  if (t.b_sk == 1 && t.b_sn != 1) return 1;
+  if (t.b_sn == 1 && t.b_sk != 1) return 2;
+  return 0;
+}
+
+// Rows of one item: its packed rows of A within kAPackBytes (6 .. 240, a multiple of kMR).
+int64_t item_rows(Dt in, int64_t K) {
+  const int64_t bytes = (in == Dt::f64 ? 8 : 4) * imax(K, 1);
+  return imax(kMR, imin(240, kAPackBytes / bytes / kMR * kMR));
+}
+
+// Distance between packed rows of A (row-major: one line more than K, so that rows do not fall
+// into the same L1 sets; k-major: the rows rounded up past a register block).
+int64_t a_ld(int64_t K, int64_t rows, bool kmajor, int64_t s) {
+  const int64_t per_line = 64 / s;
+  return kmajor ? round_up(rows + kMR, per_line) + per_line : round_up(imax(K, 1), per_line) + per_line;
+}
+
+bool kmajor_a(const Task& t) { return t.a_sm == 1 && t.a_sk != 1; }
+
+int64_t workspace(Dt in, int64_t K) {
+  const int64_t s = in == Dt::f64 ? 8 : 4, rows = round_up(item_rows(in, K), kMR), NR = 64 / s;
+  const int64_t a = imax(rows * a_ld(K, rows, false, s), imax(K, 1) * a_ld(K, rows, true, s));
+  const int64_t b = imax(kKC * kWideCols, imax(K, 1) * NR);
+  const int64_t gemv = (kGemvRows * round_up(imax(K, 1), 8) + kGemvRows * kGemvtCols) * 4 + 128;
+  return imax(gemv, (a + b + kWideCols) * s + kPartBytes + 4 * 64);
+}
+
+template <Dt D, Dt O>
+void item(const Task& t, const Item& it, void* ws) {
+  if constexpr (D != Dt::f64) {
+    const int kind = gemv_kind(t);
+    if (kind == 1) return gemv_item<D, O>(t, it, ws);
+    if (kind == 2) return gemvt_item<D, O>(t, it, ws);
+  }
+  using VT = Vec<D>;
+  using S = typename VT::S;
+  constexpr int64_t NR = 2 * VT::L;
+  const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, rows_p = round_up(rows, kMR);
+  const bool kmajor = kmajor_a(t);
+  const int64_t lda = a_ld(K, rows, kmajor, sizeof(S));
+  auto align = [](S* p) { return (S*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
+  S* ap = align((S*)ws);
+  S* bp = align(ap + (kmajor ? imax(K, 1) * lda : rows_p * lda));
+  S* bias = align(bp + imax(kKC * kWideCols, imax(K, 1) * NR));
+  S* part = align(bias + kWideCols);
+  pack_a<D>(t, it, ap, lda, kmajor);
+
+  const int64_t row_blocks = ceil_div(rows, kMR), k_blocks = imax(1, ceil_div(K, kKC)), esz = sizeof(typename Ty<D>::T);
+  // One row block (from row mb of the item) x one panel of B over one k block; pb: the panel's
+  // partial sums (rows_p x NR).
+  auto block = [&](int64_t mb, int64_t col0, int64_t nc, const S* b, int64_t k0, int64_t kc, S* pb, const S* bias_p,
+                   PfRun pf) {
+    const bool first = k0 == 0, last = k0 + kKC >= K;
+    const S* a = kmajor ? ap + k0 * lda + mb : ap + mb * lda + k0;
+    const int64_t row0 = it.m0 + mb;
+    S* p = pb + mb * NR;
+#define MOE_AVX2_ROWS(R)                                                                             \
+  (kmajor ? rows_block<D, O, R, true>(t, row0, col0, nc, a, lda, b, kc, first, last, p, bias_p, pf) \
+          : rows_block<D, O, R, false>(t, row0, col0, nc, a, lda, b, kc, first, last, p, bias_p, pf))
+    switch (imin(kMR, rows - mb)) {
+      case 6: MOE_AVX2_ROWS(6); break;
+      case 5: MOE_AVX2_ROWS(5); break;
+      case 4: MOE_AVX2_ROWS(4); break;
+      case 3: MOE_AVX2_ROWS(3); break;
+      case 2: MOE_AVX2_ROWS(2); break;
+      default: MOE_AVX2_ROWS(1); break;
+    }
+#undef MOE_AVX2_ROWS
+  };
+
+  if (t.b_sk == 1 && t.b_sn != 1) {
+    // k-contiguous B ([G, N, K] weights, the forward): a panel of NR columns x all of K packed
+    // (NR runs of K elements, read front to back), then its k blocks through every row block.
+    // While a panel computes, the next one's rows of B (the next NR columns, past the item's and
+    // the task's end too: usually what this thread packs next) are prefetched.
+    for (int64_t nb = 0; nb < cols; nb += NR) {
+      const int64_t nc = imin(NR, cols - nb), col0 = it.n0 + nb;
+      load_bias<D>(t, col0, nc, bias, NR);
+      for (int64_t k0 = 0; k0 < K; k0 += kKC) pack_b_kcontig<D>(t, k0, imin(kKC, K - k0), col0, nc, bp + k0 * NR);
+      Ahead ahead((const char*)t.b + (col0 + NR) * t.b_sn * esz, NR, t.b_sn * esz, K * esz, k_blocks * row_blocks);
+      for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kKC) {  // K == 0: one pass, C = bias
+        for (int64_t mb = 0; mb < rows; mb += kMR) block(mb, col0, nc, bp + k0 * NR, k0, imin(kKC, K - k0), part, bias, ahead.take());
+      }
+    }
+    return;
+  }
+  // Any other B (n-contiguous: [G, K, N] weights, the input gradient's, the weight gradient's dy):
+  // slabs of kKC rows x `wide` columns, each row read once across the slab. With more than one k
+  // block, the slab's panels go one by one through every row block (a panel stays in L1), with
+  // partial sums for rows x wide between k blocks. With one (K <= kKC: the weight gradient, whose
+  // K is a group's tokens), the row blocks go one by one through the whole slab, so that C is
+  // written row by row across the slab: runs of whole lines.
+  const bool one_k = K <= kKC;
+  const int64_t wide = one_k ? imin(kWideCols, round_up(cols, NR))
+                             : imax(NR, imin(imin(kWideCols, round_up(cols, NR)), (kPartBytes / (int64_t)sizeof(S) / rows_p) / NR * NR));
+  for (int64_t nw = 0; nw < cols; nw += wide) {
+    const int64_t wc = imin(wide, cols - nw), panels = ceil_div(wc, NR);
+    load_bias<D>(t, it.n0 + nw, wc, bias, panels * NR);
+    for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kKC) {
+      const int64_t kc = imin(kKC, K - k0);
+      pack_b_slab<D>(t, k0, kc, it.n0 + nw, wc, bp);
+      // The next slab's rows while this one computes: the next kKC rows of these columns, or,
+      // after the last, as many rows past K (the next group's, with [G, K, N] weights) when this
+      // item ends its task, so that this thread's next item is usually that group's.
+      const int64_t ke = k0 + kc, ahead_rows = ke < K ? imin(kKC, K - ke) : it.m1 == t.m && t.b_sn == 1 ? kc : 0;
+      Ahead ahead((const char*)t.b + (ke * t.b_sk + (it.n0 + nw) * t.b_sn) * esz, ahead_rows, t.b_sk * esz,
+                  t.b_sn == 1 ? wc * esz : 0, panels * row_blocks);
+      auto panel_block = [&](int64_t p, int64_t mb) {
+        block(mb, it.n0 + nw + p * NR, imin(NR, wc - p * NR), bp + p * kc * NR, k0, kc, part + p * rows_p * NR,
+              bias + p * NR, ahead.take());
+      };
+      if (one_k) {
+        for (int64_t mb = 0; mb < rows; mb += kMR) {
+          for (int64_t p = 0; p < panels; ++p) panel_block(p, mb);
+        }
+      } else {
+        for (int64_t p = 0; p < panels; ++p) {
+          for (int64_t mb = 0; mb < rows; mb += kMR) panel_block(p, mb);
+        }
+      }
+    }
+  }
+}
+
+template <Dt D>
+void item_out(Dt out, const Task& t, const Item& it, void* ws) {
+  if (out == Dt::f32 && D != Dt::f32) item<D, Dt::f32>(t, it, ws);
+  else item<D, D>(t, it, ws);
+}
+
+}  // namespace
+
+int64_t max_item_rows(Dt in, const Task& task) { return item_rows(in, task.k); }
+
+bool whole_row_items(Dt in, const Task& task) { return in != Dt::f64 && gemv_kind(task) == 2; }
+
+int64_t workspace_bytes(Dt in, const Task& task) { return workspace(in, task.k); }
+
+void run_item(Dt in, Dt out, const Task& t, const Item& it, void* ws) {
+  switch (in) {
+    case Dt::f32: item<Dt::f32, Dt::f32>(t, it, ws); break;
+    case Dt::bf16: item_out<Dt::bf16>(out, t, it, ws); break;
+    case Dt::f16: item_out<Dt::f16>(out, t, it, ws); break;
+    case Dt::f64: item<Dt::f64, Dt::f64>(t, it, ws); break;
+  }
+}
+
+}  // namespace avx2
+}  // namespace moe_cpu
+
+#endif
