@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_ops  # noqa: E402
 from cases import ISSUE_SHAPES, MODES, QUICK_SHAPES, dirichlet_offs, flops, make_tensors, model_shapes  # noqa: E402
 from devices import pick  # noqa: E402
-from peers import DENSE, GROUPED_MM, OP, REFERENCE, peers  # noqa: E402
+from peers import DENSE, DENSE_FP32, GROUPED_MM, OP, REFERENCE, ROOFLINES, peers  # noqa: E402
 import report  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, "fp64": torch.float64}
@@ -72,10 +72,13 @@ def _check(out, ref, dtype) -> str:
     return "" if err <= tol else f"MISMATCH: max error {err:.2e} of the largest output"
 
 
-def run_case(fns: dict, sync, budget_s: float, min_reps: int, max_reps: int, before=None) -> dict:
+def run_case(fns: dict, sync, budget_s: float, min_reps: int, max_reps: int, before=None,
+             max_call_s: float = float("inf")) -> dict:
     """{peer: [seconds per round]}, every round in a new seeded random order. Peers slower than 10x
     the dense roofline (and 50 ms) are timed in the first 3 rounds only: they are far from the
-    question asked, and at 0.1-2 s a call they would take most of the run. before(peer, call),
+    question asked, and at 0.1-2 s a call they would take most of the run. A peer whose warm-up
+    call took more than max_call_s is not called again: that call is its one timing (ATen's
+    bf16 matmul on an AVX2-only CPU took ~60 s for one G=8 input gradient). before(peer, call),
     if given, runs untimed before each call (call 0 is the warm-up)."""
     warm = {}
     for name, f in fns.items():
@@ -85,15 +88,16 @@ def run_case(fns: dict, sync, budget_s: float, min_reps: int, max_reps: int, bef
         f()
         sync()
         warm[name] = time.perf_counter() - t0
+    once = {n for n, w in warm.items() if w > max_call_s}
     slow = {n for n, w in warm.items() if w > max(10 * warm.get(DENSE, w), 0.05)}
-    per_round = sum(w for n, w in warm.items() if n not in slow)
+    per_round = sum(w for n, w in warm.items() if n not in slow | once)
     reps = max(min_reps, min(max_reps, int(budget_s / max(per_round, 1e-9))))
     names = list(fns)
-    times = {n: [] for n in names}
+    times = {n: [warm[n]] if n in once else [] for n in names}
     order = random.Random(0)
     for r in range(reps):
         for n in order.sample(names, len(names)):
-            if n in slow and r >= 3:
+            if n in once or (n in slow and r >= 3):
                 continue
             if before:
                 before(n, r + 1)
@@ -137,7 +141,7 @@ def bench_device(dev, shapes, modes, dtypes, args) -> list:
                 continue
             try:
                 moe_ops.reset_kernel_counts()
-                bad = _check(fn(), ref, dtype) if name != DENSE else ""
+                bad = _check(fn(), ref, dtype) if name not in ROOFLINES else ""
             except Exception as e:  # a peer that does not support this case
                 entry[name] = {"note": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
                 continue
@@ -149,7 +153,7 @@ def bench_device(dev, shapes, modes, dtypes, args) -> list:
                 entry[name]["kernel"] = ",".join(sorted(moe_ops.kernel_counts()))
             fns[name] = fn
         times = run_case(fns, dev.sync, args.budget, args.min_reps, args.max_reps,
-                         _fresh_offs(t, shape, list(fns)) if args.group_sizes == "fresh" else None)
+                         _fresh_offs(t, shape, list(fns)) if args.group_sizes == "fresh" else None, args.max_call_s)
         fl = flops(shape)
         for name, secs in times.items():
             entry[name].update(summarize(secs, fl))
@@ -218,8 +222,11 @@ def targets(rows: list) -> str:
         floor = (f"; memory floor x{r['memory_floor']:.2f} ({r['bandwidth_gbs']:.0f} GB/s; warm "
                  f"x{r['memory_floor_warm']:.2f}, {r['bandwidth_warm_gbs']:.0f} GB/s)" if "memory_floor" in r else "")
         vs = ""
+        d32 = r["peers"].get(DENSE_FP32, {})
+        if "median_ms" in d32:
+            vs += f"; x{op['median_ms'] / d32['median_ms']:.2f} of the fp32 dense roofline"
         if "ratio" in gmm:
-            vs = f"; torch._grouped_mm x{gmm['ratio']:.2f} ({'faster' if op['median_ms'] <= gmm['median_ms'] else 'SLOWER'})"
+            vs += f"; torch._grouped_mm x{gmm['ratio']:.2f} ({'faster' if op['median_ms'] <= gmm['median_ms'] else 'SLOWER'})"
         lines.append(f"{r['shape']:<22} {r['mode']:<5} {r['dtype']:<4} moe_ops x{op['ratio']:.2f} "
                      f"(p25-p75 x{op['p25_ms'] / r['peers'][DENSE]['median_ms']:.2f}-"
                      f"x{op['p75_ms'] / r['peers'][DENSE]['median_ms']:.2f}), target <= {goal:.2f}: {verdict}{floor}{vs}")
@@ -246,6 +253,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None, help="seconds of timed rounds per case")
     ap.add_argument("--min-reps", type=int, default=None)
     ap.add_argument("--max-reps", type=int, default=None)
+    ap.add_argument("--max-call-s", type=float, default=5.0,
+                    help="a peer whose warm-up call takes longer is timed by that call alone (default 5)")
     ap.add_argument("--group-sizes", choices=("fresh", "fixed"), default="fresh",
                     help="a new Dirichlet draw of group sizes for every call (default), or the case's one draw")
     ap.add_argument("--huge-page-weights", action="store_true",

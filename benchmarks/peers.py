@@ -11,6 +11,11 @@ import torch
 import moe_ops
 
 DENSE = "dense torch.mm"
+# For bf16 / fp16 on CPU: the same dense matmul in fp32, a second roofline for CPUs on which
+# ATen's 16-bit matmul is slow (on an AVX2-only Zen 2, oneDNN's bf16 ran at 0.3-6 GFLOP/s
+# against MKL's ~100 in fp32, so a ratio to the bf16 dense roofline says nothing there).
+DENSE_FP32 = "dense torch.mm fp32"
+ROOFLINES = (DENSE, DENSE_FP32)
 OP = "moe_ops"
 REFERENCE = "moe_ops reference"
 LOOP = "loop of torch.mm"
@@ -18,17 +23,18 @@ GROUPED_MM = "torch._grouped_mm"
 PADDED = "padded bmm"
 JAX = "jax"
 
-ORDER = (DENSE, OP, REFERENCE, LOOP, GROUPED_MM, PADDED, JAX)
+ORDER = (DENSE, DENSE_FP32, OP, REFERENCE, LOOP, GROUPED_MM, PADDED, JAX)
 
 
 def _op_args(t):
     return (t.a.t(), t.b) if t.mode == "wgrad" else (t.a, t.b)
 
 
-def _dense(t):
+def _dense(t, dtype=None):
+    a, b = (t.a, t.dense_b) if dtype is None else (t.a.to(dtype), t.dense_b.to(dtype))
     if t.mode == "wgrad":
-        return lambda: torch.mm(t.a.t(), t.dense_b)
-    return lambda: torch.mm(t.a, t.dense_b)
+        return lambda: torch.mm(a.t(), b)
+    return lambda: torch.mm(a, b)
 
 
 def _loop(t):
@@ -129,6 +135,8 @@ def peers(t, device: torch.device, with_jax: bool = False) -> dict:
         GROUPED_MM: _grouped_mm(t),
         PADDED: (_padded(t), ""),
     }
+    if device.type == "cpu" and t.a.dtype in (torch.bfloat16, torch.float16):
+        out[DENSE_FP32] = (_dense(t, torch.float32), "the dense roofline in fp32 (inputs converted before timing)")
     out[LOOP] = (_loop(t), "" if device.type == "cpu" else "reads offs on the host: one sync per call")
     out[JAX] = _jax(t, device) if with_jax else (None, "opt-in (--with-jax)")
     return out
