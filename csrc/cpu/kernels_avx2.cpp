@@ -196,7 +196,14 @@ struct PfRun {
 // The lines of a block of memory that should arrive while a number of kernel calls compute (the
 // operands the item packs next), handed out an equal share per call: `rows` runs of `run_bytes`,
 // `stride` bytes apart, from p. Prefetches never fault, so a guess past the end of B costs only
-// the instruction.
+// the instruction. Without them the packs wait for memory: with one weight matrix shared by all
+// groups (in cache) the G=64, M=2048, K=N=512 forward ran at 98-108 GFLOP/s on the Zen 2 VM's
+// two cores, with 64 distinct ones (as in a MoE layer) at ~55. Measured there (2 threads, one
+// process alternating, caches flushed between calls, group sizes drawn per call, 12 rounds,
+// medians, 2026-12-02), without -> with: G=64, M=2048, K=N=512 forward bf16 12.63 -> 11.14 ms,
+// fp32 14.03 -> 11.75 ms, input gradient fp32 14.83 -> 14.19 ms; G=256, M=4096, K=512, N=256
+// forward bf16 17.81 -> 14.29 ms, fp32 19.51 -> 15.83 ms, input gradient fp32 18.15 -> 15.77
+// ms; the bf16 input gradients and the weight gradients level.
 struct Ahead {
   const char* base;
   int64_t rows, stride, run_lines, per_call, next = 0;
@@ -376,13 +383,28 @@ void pack_b_slab(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t wc, 
 // Groups of one to four rows (decode: a token sends one row to each of its top-k experts). The
 // blocked kernel would pack every element of the weights for one to four multiply-adds; these
 // read the weights in place, once, in memory order. Chosen by the group's size (never the
-// item's), so that a group's summation order does not depend on how the call is cut.
+// item's), so that a group's summation order does not depend on how the call is cut. Measured
+// on the Zen 2 VM (benchmarks/decode.py's models, one token, experts routed anew every call, 2
+// threads, one process alternating, 15 rounds, 2026-12-02), blocked kernel -> these, [G, N, K]
+// weights: bf16 Mixtral /2 6.28 -> 2.11 ms, GPT-OSS-20B 6.39 -> 2.63, OLMoE-1B-7B 4.54 -> 1.44,
+// Qwen3-30B-A3B 3.95 -> 1.24, DeepSeek-V3 /4 1.51 -> 0.68 ms; fp32 1.5-1.9x; [G, K, N] weights
+// (before the prefetch and the wider passes below): 1.5-2.9x.
 
 constexpr int64_t kGemvRows = 4;
 // Rows of W ahead that gemv_block prefetches (the next block's), one line per line it reads.
 constexpr int64_t kGemvAheadRows = 4;
-// Columns of one pass of gemvt (its sums, kGemvRows x this fp32, stay in L1 / L2).
-constexpr int64_t kGemvtCols = 2048;
+// Columns of one pass of gemvt over W's rows (its sums: up to kGemvRows x this fp32, 256 KiB, in
+// L2), so that the rows of the widest experts are read whole, front to back. Measured on the
+// Zen 2 VM (benchmarks/decode.py's [G, K, N] cases, 2 threads, one process alternating, 15
+// rounds, 2026-12-02), 2048 -> 16384 columns, one / four tokens: bf16 Mixtral /2 (N = 7168)
+// 4.75 / 9.77 -> 3.16 / 7.48 ms, GPT-OSS-20B (N = 2880) 4.44 / 15.3 -> 3.06 / 11.6 ms, fp32
+// 7.00 / 18.3 -> 6.00 / 15.3 and 7.14 / 27.3 -> 5.62 / 22.4 ms; N <= 2048 level. (Eight rows
+// of W per pass over the sums instead of four: 5-40% slower; the prefetches into L1, or twice as
+// far ahead: level.)
+constexpr int64_t kGemvtCols = 16384;
+// Rows further on that gemvt prefetches: at least this far ahead. Measured (same method, [G, K,
+// N], one token, 2048 columns a pass) without -> with: bf16 Mixtral /2 4.75 -> 4.31 ms, OLMoE
+// 3.98 -> 2.88, Qwen3-30B-A3B 3.17 -> 2.56, fp32 1.1-1.15x.
 constexpr int64_t kGemvtAheadBytes = 16 * 1024;
 
 float hsum(__m256 v) {
@@ -639,7 +661,9 @@ void item(const Task& t, const Item& it, void* ws) {
   // block, the slab's panels go one by one through every row block (a panel stays in L1), with
   // partial sums for rows x wide between k blocks. With one (K <= kKC: the weight gradient, whose
   // K is a group's tokens), the row blocks go one by one through the whole slab, so that C is
-  // written row by row across the slab: runs of whole lines.
+  // written row by row across the slab: runs of whole lines. Measured (as for Ahead) panel by
+  // panel -> row block by row block: bf16 weight gradient G=64 13.83 -> 13.36 ms, G=256 19.72 ->
+  // 18.07 ms; fp32 level.
   const bool one_k = K <= kKC;
   const int64_t wide = one_k ? imin(kWideCols, round_up(cols, NR))
                              : imax(NR, imin(imin(kWideCols, round_up(cols, NR)), (kPartBytes / (int64_t)sizeof(S) / rows_p) / NR * NR));
