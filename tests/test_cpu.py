@@ -329,8 +329,9 @@ def test_bf16_kernels_on_row_and_column_edges(level, K):
                                              (torch.float16, torch.float32), (torch.bfloat16, None)], ids=str)
 def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     """Groups of 1-4 rows (decode) on the FMA paths: dot products along k with k-contiguous
-    weights ([G, N, K] viewed as [G, K, N]; AVX-512 fp32 up to 8 rows, in two passes of 4), rows of W
-    streamed with n-contiguous ones ([G, K, N]); larger groups the blocked kernel. A call mixing
+    weights ([G, N, K] viewed as [G, K, N]), rows of W streamed with n-contiguous ones ([G, K, N]);
+    up to 8 rows in two passes of 4 with AVX2 (and fp32 dot products with AVX-512); larger groups
+    the blocked kernel. A call mixing
     both, with a bias, K not a multiple of 16, columns not a multiple of 4, a strided mat_a and
     empty groups, against the oracle, and bitwise identical for any thread count (the kernel is
     chosen per group, not per item)."""

@@ -183,8 +183,8 @@ constexpr int64_t kKC = 256;
 // most partial sums an item keeps (rows x slab width, fp32 / fp64) across its k blocks.
 constexpr int64_t kWideCols = 512;
 constexpr int64_t kPartBytes = 128 * 1024;
-// The item's packed rows of A stay within this (L2: 512 KiB per core on Zen 2, 256 KiB on
-// Haswell; B's blocks and the partial sums share it).
+// A k block of the item's packed rows of A stays within this (L2: 512 KiB per core on Zen 2, 256
+// KiB on Haswell; B's blocks and the partial sums share it).
 constexpr int64_t kAPackBytes = 192 * 1024;
 
 // A run of cache lines to prefetch while one kernel call computes (see Ahead).
@@ -380,8 +380,8 @@ void pack_b_slab(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t wc, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Groups of one to four rows (decode: a token sends one row to each of its top-k experts). The
-// blocked kernel would pack every element of the weights for one to four multiply-adds; these
+// Groups of one to eight rows (decode: a token sends one row to each of its top-k experts). The
+// blocked kernel would pack every element of the weights for a few multiply-adds; these
 // read the weights in place, once, in memory order. Chosen by the group's size (never the
 // item's), so that a group's summation order does not depend on how the call is cut. Measured
 // on the Zen 2 VM (benchmarks/decode.py's models, one token, experts routed anew every call, 2
@@ -390,7 +390,11 @@ void pack_b_slab(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t wc, 
 // Qwen3-30B-A3B 3.95 -> 1.24, DeepSeek-V3 /4 1.51 -> 0.68 ms; fp32 1.5-1.9x; [G, K, N] weights
 // (before the prefetch and the wider passes below): 1.5-2.9x.
 
-constexpr int64_t kGemvRows = 4;
+// Rows 5-8 in a second pass (gemv_rows, gemvt_rows). Measured as above, groups of up to 4 ->
+// up to 8 rows on these kernels, Dirichlet sizes, input gradient bf16: G=256, M=4096, K=512,
+// N=256 12.90 -> 12.37 ms; M=1536 (groups of 6 on average) 7.37 -> 6.97 ms; M=2048 8.63 -> 8.41
+// ms; G=128, M=8192, K=2048, N=768 311 -> 303 ms; the forwards 0-4% faster, fp32 level.
+constexpr int64_t kGemvRows = 8;
 // Rows of W ahead that gemv_block prefetches (the next block's), one line per line it reads.
 constexpr int64_t kGemvAheadRows = 4;
 // Columns of one pass of gemvt over W's rows (its sums: up to kGemvRows x this fp32, 256 KiB, in
@@ -470,14 +474,22 @@ void gemv_block(const Task& t, const Item& it, const float* ap, int64_t lda, int
 template <Dt D, Dt O, int R>
 void gemv_rows(const Task& t, const Item& it, const float* ap, int64_t lda) {
   // Four rows of W side by side with up to two rows of A, two with more (the accumulators and
-  // the rows of W in 16 registers).
-  constexpr int NJ = R <= 2 ? 4 : 2;
+  // the rows of W in 16 registers); rows 4-7 of A in a second pass over the same rows of W,
+  // still in L1.
+  constexpr int R0 = R > 4 ? 4 : R, R1 = R - R0, NJ = R0 <= 2 ? 4 : 2;
+  Item hi = it;
+  hi.m0 += R0;
   alignas(32) float bias[8];
   for (int64_t n = it.n0; n < it.n1;) {
     const int64_t nj = it.n1 - n >= NJ ? NJ : 1;
     load_bias<D>(t, n, nj, bias, 8);
-    if (nj == NJ) gemv_block<D, O, R, NJ>(t, it, ap, lda, n, bias);
-    else gemv_block<D, O, R, 1>(t, it, ap, lda, n, bias);
+    if (nj == NJ) {
+      gemv_block<D, O, R0, NJ>(t, it, ap, lda, n, bias);
+      if constexpr (R1 > 0) gemv_block<D, O, R1, NJ>(t, hi, ap + R0 * lda, lda, n, bias);
+    } else {
+      gemv_block<D, O, R0, 1>(t, it, ap, lda, n, bias);
+      if constexpr (R1 > 0) gemv_block<D, O, R1, 1>(t, hi, ap + R0 * lda, lda, n, bias);
+    }
     n += nj;
   }
 }
@@ -487,6 +499,10 @@ void gemv_item(const Task& t, const Item& it, void* ws) {
   const int64_t lda = round_up(imax(t.k, 1), 8);
   const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
   switch (it.m1 - it.m0) {
+    case 8: gemv_rows<D, O, 8>(t, it, ap, lda); break;
+    case 7: gemv_rows<D, O, 7>(t, it, ap, lda); break;
+    case 6: gemv_rows<D, O, 6>(t, it, ap, lda); break;
+    case 5: gemv_rows<D, O, 5>(t, it, ap, lda); break;
     case 4: gemv_rows<D, O, 4>(t, it, ap, lda); break;
     case 3: gemv_rows<D, O, 3>(t, it, ap, lda); break;
     case 2: gemv_rows<D, O, 2>(t, it, ap, lda); break;
@@ -535,8 +551,9 @@ template <Dt D, Dt O, int R>
 void gemvt_rows(const Task& t, const Item& it, const float* ap, int64_t lda, float* y) {
   using TO = typename Ty<O>::T;
   alignas(32) float bias[8];
-  for (int64_t n0 = it.n0; n0 < it.n1; n0 += kGemvtCols) {
-    const int64_t nc = imin(kGemvtCols, it.n1 - n0), ldy = round_up(nc, 8);
+  constexpr int64_t cols = kGemvtCols * 4 / (R > 4 ? R : 4) / 8 * 8;
+  for (int64_t n0 = it.n0; n0 < it.n1; n0 += cols) {
+    const int64_t nc = imin(cols, it.n1 - n0), ldy = round_up(nc, 8);
     for (int64_t i = 0; i < R * ldy; i += 8) _mm256_store_ps(y + i, _mm256_setzero_ps());
     const auto* b = (const typename Ty<D>::T*)t.b + n0;
     int64_t k = 0;
@@ -559,6 +576,10 @@ void gemvt_item(const Task& t, const Item& it, void* ws) {
   const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
   float* y = (float*)(((uintptr_t)(ap + kGemvRows * lda) + 63) & ~(uintptr_t)63);
   switch (it.m1 - it.m0) {
+    case 8: gemvt_rows<D, O, 8>(t, it, ap, lda, y); break;
+    case 7: gemvt_rows<D, O, 7>(t, it, ap, lda, y); break;
+    case 6: gemvt_rows<D, O, 6>(t, it, ap, lda, y); break;
+    case 5: gemvt_rows<D, O, 5>(t, it, ap, lda, y); break;
     case 4: gemvt_rows<D, O, 4>(t, it, ap, lda, y); break;
     case 3: gemvt_rows<D, O, 3>(t, it, ap, lda, y); break;
     case 2: gemvt_rows<D, O, 2>(t, it, ap, lda, y); break;
@@ -574,9 +595,18 @@ int gemv_kind(const Task& t) {
   return 0;
 }
 
-// Rows of one item: its packed rows of A within kAPackBytes (6 .. 240, a multiple of kMR).
+// Rows of one item: a k block of its packed rows of A (rows x kKC) within kAPackBytes (6 .. 240,
+// a multiple of kMR). Each item packs its own blocks of B, so the more rows an item has, the
+// fewer times a large group's weights are read. Capped by the whole of A (rows x K) instead, as
+// first written, G=8 groups of ~512 rows with K = 1024 took items of 42 rows and read their
+// weights 12 times. Measured on the Zen 2 VM (2 threads, one process alternating, caches
+// flushed, group sizes drawn per call, 8 rounds, medians, 2026-12-02), rows x K -> rows x kKC:
+// G=8, M=4096, K=1024, N=2048 forward bf16 134 -> 118 ms, fp32 139 -> 121 ms, input gradient fp32
+// 155 -> 125 ms, weight gradient fp32 182 -> 129 ms (dense fp32 138-164 ms); Mixtral /2 (G=8,
+// M=2048, K=4096, N=7168) forward 1874 -> 998 ms bf16, 1829 -> 856 ms fp32; G=128, M=8192,
+// K=2048, N=768 forward fp32 506 -> 370 ms, input gradient 389 -> 243 ms; G=64 and G=256 level.
 int64_t item_rows(Dt in, int64_t K) {
-  const int64_t bytes = (in == Dt::f64 ? 8 : 4) * imax(K, 1);
+  const int64_t bytes = (in == Dt::f64 ? 8 : 4) * imax(imin(K, kKC), 1);
   return imax(kMR, imin(240, kAPackBytes / bytes / kMR * kMR));
 }
 
@@ -593,7 +623,7 @@ int64_t workspace(Dt in, int64_t K) {
   const int64_t s = in == Dt::f64 ? 8 : 4, rows = round_up(item_rows(in, K), kMR), NR = 64 / s;
   const int64_t a = imax(rows * a_ld(K, rows, false, s), imax(K, 1) * a_ld(K, rows, true, s));
   const int64_t b = imax(kKC * kWideCols, imax(K, 1) * NR);
-  const int64_t gemv = (kGemvRows * round_up(imax(K, 1), 8) + kGemvRows * kGemvtCols) * 4 + 128;
+  const int64_t gemv = (kGemvRows * round_up(imax(K, 1), 8) + 4 * kGemvtCols) * 4 + 128;
   return imax(gemv, (a + b + kWideCols) * s + kPartBytes + 4 * 64);
 }
 
