@@ -38,49 +38,10 @@ namespace moe_cpu {
 namespace avx2 {
 namespace {
 
-inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+#include "kernel_common.h"
 
 // ---------------------------------------------------------------------------------------------
-// Element types and conversions. bf16 rounding is round-to-nearest-even with NaN kept quiet, as
-// c10::BFloat16 does; fp16 goes through F16C (round to nearest even, denormals kept).
-
-template <Dt D> struct Ty;
-template <> struct Ty<Dt::f32> {
-  using T = float;
-  using Acc = float;
-  static float get(const float* p) { return *p; }
-  static void put(float* p, float v) { *p = v; }
-};
-template <> struct Ty<Dt::bf16> {
-  using T = uint16_t;
-  using Acc = float;
-  static float get(const uint16_t* p) {
-    const uint32_t u = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-  }
-  static void put(uint16_t* p, float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    *p = f != f ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
-};
-template <> struct Ty<Dt::f16> {
-  using T = uint16_t;
-  using Acc = float;
-  static float get(const uint16_t* p) { return _cvtsh_ss(*p); }
-  static void put(uint16_t* p, float v) { *p = (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
-};
-template <> struct Ty<Dt::f64> {
-  using T = double;
-  using Acc = double;
-  static double get(const double* p) { return *p; }
-  static void put(double* p, double v) { *p = v; }
-};
+// Vector loads and stores.
 
 // Eight contiguous elements as fp32 (D != f64), or four as fp64 (D == f64): one vector of the
 // accumulation type. Whole vectors only; the edges go through `load_part`.
@@ -187,41 +148,16 @@ constexpr int64_t kPartBytes = 128 * 1024;
 // KiB on Haswell; B's blocks and the partial sums share it).
 constexpr int64_t kAPackBytes = 192 * 1024;
 
-// A run of cache lines to prefetch while one kernel call computes (see Ahead).
-struct PfRun {
-  const char* first;
-  int64_t lines;
-};
-
-// The lines of a block of memory that should arrive while a number of kernel calls compute (the
-// operands the item packs next), handed out an equal share per call: `rows` runs of `run_bytes`,
-// `stride` bytes apart, from p. Prefetches never fault, so a guess past the end of B costs only
-// the instruction. Without them the packs wait for memory: with one weight matrix shared by all
-// groups (in cache) the G=64, M=2048, K=N=512 forward ran at 98-108 GFLOP/s on the Zen 2 VM's
-// two cores, with 64 distinct ones (as in a MoE layer) at ~55. Measured there (2 threads, one
-// process alternating, caches flushed between calls, group sizes drawn per call, 12 rounds,
-// medians, 2026-12-02), without -> with: G=64, M=2048, K=N=512 forward bf16 12.63 -> 11.14 ms,
-// fp32 14.03 -> 11.75 ms, input gradient fp32 14.83 -> 14.19 ms; G=256, M=4096, K=512, N=256
-// forward bf16 17.81 -> 14.29 ms, fp32 19.51 -> 15.83 ms, input gradient fp32 18.15 -> 15.77
-// ms; the bf16 input gradients and the weight gradients level.
-struct Ahead {
-  const char* base;
-  int64_t rows, stride, run_lines, per_call, next = 0;
-  Ahead(const void* p, int64_t rows_, int64_t stride_, int64_t run_bytes, int64_t calls)
-      : base((const char*)p), rows(rows_), stride(stride_), run_lines(ceil_div(run_bytes, 64)),
-        per_call(ceil_div(rows_ * ceil_div(run_bytes, 64), imax(calls, 1))) {
-    if (stride == run_lines * 64) {  // back-to-back runs: one
-      run_lines *= rows;
-      rows = rows > 0 ? 1 : 0;
-    }
-  }
-  PfRun take() {
-    if (next >= rows * run_lines) return {nullptr, 0};
-    const int64_t row = next / run_lines, col = next % run_lines, n = imin(per_call, run_lines - col);
-    next += n;
-    return {base + row * stride + col * 64, n};
-  }
-};
+// While one panel or slab of B computes, the next one's lines are prefetched into L2, spread over
+// the kernel calls (PrefetchBlock: a share per call, spread again over its k steps). Without
+// them the packs wait for memory: with one weight matrix shared by all groups (in cache) the
+// G=64, M=2048, K=N=512 forward ran at 98-108 GFLOP/s on the Zen 2 VM's two cores, with 64
+// distinct ones (as in a MoE layer) at ~55. Measured there (2 threads, one process alternating,
+// caches flushed between calls, group sizes drawn per call, 12 rounds, medians, 2026-12-02),
+// without -> with: G=64, M=2048, K=N=512 forward bf16 12.63 -> 11.14 ms, fp32 14.03 -> 11.75 ms,
+// input gradient fp32 14.83 -> 14.19 ms; G=256, M=4096, K=512, N=256 forward bf16 17.81 -> 14.29
+// ms, fp32 19.51 -> 15.83 ms, input gradient fp32 18.15 -> 15.77 ms; the bf16 input gradients and
+// the weight gradients level.
 
 // acc[i][j] += sum_{k < kc} A(i, k) * b[k][j*L .. +L) for i < R, j < 2 (b: kc rows of 2 vectors),
 // A(i, k) at a + i * lda + k (row-major packed A) or, with KM, a + k * lda + i (k-major). The
@@ -679,7 +615,7 @@ void item(const Task& t, const Item& it, void* ws) {
       const int64_t nc = imin(NR, cols - nb), col0 = it.n0 + nb;
       load_bias<D>(t, col0, nc, bias, NR);
       for (int64_t k0 = 0; k0 < K; k0 += kKC) pack_b_kcontig<D>(t, k0, imin(kKC, K - k0), col0, nc, bp + k0 * NR);
-      Ahead ahead((const char*)t.b + (col0 + NR) * t.b_sn * esz, NR, t.b_sn * esz, K * esz, k_blocks * row_blocks);
+      PrefetchBlock ahead(t.b, (col0 + NR) * t.b_sn * esz, NR, t.b_sn * esz, K * esz, k_blocks * row_blocks);
       for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kKC) {  // K == 0: one pass, C = bias
         for (int64_t mb = 0; mb < rows; mb += kMR) block(mb, col0, nc, bp + k0 * NR, k0, imin(kKC, K - k0), part, bias, ahead.take());
       }
@@ -691,7 +627,7 @@ void item(const Task& t, const Item& it, void* ws) {
   // block, the slab's panels go one by one through every row block (a panel stays in L1), with
   // partial sums for rows x wide between k blocks. With one (K <= kKC: the weight gradient, whose
   // K is a group's tokens), the row blocks go one by one through the whole slab, so that C is
-  // written row by row across the slab: runs of whole lines. Measured (as for Ahead) panel by
+  // written row by row across the slab: runs of whole lines. Measured (as for the prefetches) panel by
   // panel -> row block by row block: bf16 weight gradient G=64 13.83 -> 13.36 ms, G=256 19.72 ->
   // 18.07 ms; fp32 level.
   const bool one_k = K <= kKC;
@@ -707,8 +643,8 @@ void item(const Task& t, const Item& it, void* ws) {
       // after the last, as many rows past K (the next group's, with [G, K, N] weights) when this
       // item ends its task, so that this thread's next item is usually that group's.
       const int64_t ke = k0 + kc, ahead_rows = ke < K ? imin(kKC, K - ke) : it.m1 == t.m && t.b_sn == 1 ? kc : 0;
-      Ahead ahead((const char*)t.b + (ke * t.b_sk + (it.n0 + nw) * t.b_sn) * esz, ahead_rows, t.b_sk * esz,
-                  t.b_sn == 1 ? wc * esz : 0, panels * row_blocks);
+      PrefetchBlock ahead(t.b, (ke * t.b_sk + (it.n0 + nw) * t.b_sn) * esz, ahead_rows, t.b_sk * esz,
+                          t.b_sn == 1 ? wc * esz : 0, panels * row_blocks);
       auto panel_block = [&](int64_t p, int64_t mb) {
         block(mb, it.n0 + nw + p * NR, imin(NR, wc - p * NR), bp + p * kc * NR, k0, kc, part + p * rows_p * NR,
               bias + p * NR, ahead.take());

@@ -52,10 +52,8 @@ namespace moe_cpu {
 namespace x86 {
 namespace {
 
-inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+#include "kernel_common.h"
+
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 inline __mmask8 mask8(int64_t n) { return n >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << n) - 1); }
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1); }
@@ -116,23 +114,7 @@ inline void masked_store_epi16x32(uint16_t* p, __mmask32 m, __m512i v) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Conversions. bf16 rounding is round-to-nearest-even with NaN kept quiet, as c10::BFloat16 does.
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t f32_to_bf16(float f) {
-  if (f != f) return 0x7FC0;
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
-inline uint16_t f32_to_f16(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+// Vector conversions (the scalar ones are in kernel_common.h).
 
 inline __m512 bf16x16_to_f32(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -167,32 +149,6 @@ inline __m512i f32_to_bf16x32_native(__m512 lo, __m512 hi) {
 }
 
 // Element types by dtype: T is the storage type, Acc the accumulation type.
-template <Dt D> struct Ty;
-template <> struct Ty<Dt::f32> {
-  using T = float;
-  using Acc = float;
-  static float get(const float* p) { return *p; }
-  static void put(float* p, float v) { *p = v; }
-};
-template <> struct Ty<Dt::bf16> {
-  using T = uint16_t;
-  using Acc = float;
-  static float get(const uint16_t* p) { return bf16_to_f32(*p); }
-  static void put(uint16_t* p, float v) { *p = f32_to_bf16(v); }
-};
-template <> struct Ty<Dt::f16> {
-  using T = uint16_t;
-  using Acc = float;
-  static float get(const uint16_t* p) { return f16_to_f32(*p); }
-  static void put(uint16_t* p, float v) { *p = f32_to_f16(v); }
-};
-template <> struct Ty<Dt::f64> {
-  using T = double;
-  using Acc = double;
-  static double get(const double* p) { return *p; }
-  static void put(double* p, double v) { *p = v; }
-};
-
 // Sixteen elements of a row (masked: lanes past `mask` read nothing and are zero) as fp32.
 template <Dt D> inline __m512 load16_f32(const typename Ty<D>::T* p, __mmask16 m);
 template <> inline __m512 load16_f32<Dt::f32>(const float* p, __mmask16 m) { return masked_load_ps(m, p); }
@@ -1735,36 +1691,6 @@ inline void warm_pages(const void* p, int64_t rows, int64_t stride, int64_t run)
     }
   }
 }
-
-struct PfRun {
-  const char* first;  // first cache line
-  int64_t lines;
-  // All the run's lines into L2 at once (a prefetch never faults).
-  void to_l2() const {
-    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(first + 64 * l, _MM_HINT_T1);
-  }
-};
-
-struct PrefetchBlock {
-  const char* base;
-  int64_t rows, stride, lines_per_row, per_call, next = 0;
-  PrefetchBlock(const void* p, int64_t offset, int64_t rows_, int64_t stride_, int64_t run_bytes, int64_t calls)
-      : base((const char*)((uintptr_t)p + offset)), rows(rows_), stride(stride_), lines_per_row(ceil_div(run_bytes, 64)),
-        per_call(ceil_div(rows_ * ceil_div(run_bytes, 64), imax(calls, 1))) {
-    if (stride == lines_per_row * 64) {  // back-to-back runs (e.g. contiguous [G, N, K] weights): one run
-      lines_per_row *= rows;
-      rows = rows > 0 ? 1 : 0;
-    }
-  }
-  // The next run of contiguous lines for one compute step.
-  PfRun take() {
-    if (next >= rows * lines_per_row) return {nullptr, 0};
-    const int64_t row = next / lines_per_row, col = next % lines_per_row;
-    const int64_t n = imin(per_call, lines_per_row - col);
-    next += n;
-    return {base + row * stride + col * 64, n};
-  }
-};
 
 // VT: VF (fp32 accumulation) for f32 / bf16 / f16 inputs, VD for f64.
 //
