@@ -77,12 +77,12 @@ template <> struct Vec<Dt::f64> {
   static V add(V a, V b) { return _mm256_add_pd(a, b); }
 };
 
-// `count` (< one vector) contiguous elements as a vector, zero past them: the edges of rows, read
-// element by element so that nothing past the last one is touched.
+// `count` (at most one vector) elements `step` apart as a vector, zero past them: the edges of
+// rows and strided rows, read element by element so that nothing past the last one is touched.
 template <Dt D>
-inline typename Vec<D>::V load_part(const typename Ty<D>::T* p, int64_t count) {
+inline typename Vec<D>::V load_part(const typename Ty<D>::T* p, int64_t count, int64_t step = 1) {
   alignas(32) typename Vec<D>::S tmp[Vec<D>::L] = {};
-  for (int64_t i = 0; i < count; ++i) tmp[i] = Ty<D>::get(p + i);
+  for (int64_t i = 0; i < count; ++i) tmp[i] = Ty<D>::get(p + i * step);
   return Vec<D>::load(tmp);
 }
 
@@ -303,13 +303,8 @@ void pack_b_slab(const Task& t, int64_t k0, int64_t kc, int64_t n0, int64_t wc, 
       typename VT::S* out = dst + p * kc * NR + k * NR;
       for (int64_t h = 0; h < 2; ++h) {
         const int64_t j = p * NR + h * L, count = imin(L, wc - j);
-        if (t.b_sn == 1 && count == L) {
-          VT::store(out + h * L, load_vec<D>(row + j));
-        } else {
-          alignas(32) typename VT::S tmp[L] = {};
-          for (int64_t x = 0; x < count; ++x) tmp[x] = Ty<D>::get(row + (j + x) * t.b_sn);
-          VT::store(out + h * L, VT::load(tmp));
-        }
+        VT::store(out + h * L, t.b_sn == 1 && count == L ? load_vec<D>(row + j)
+                                                         : load_part<D>(row + j * t.b_sn, count, t.b_sn));
       }
     }
   }
