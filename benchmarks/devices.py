@@ -85,7 +85,7 @@ class Cpu(Device):
             flags = set(info.get("Flags", "").split())
         except (OSError, subprocess.SubprocessError, ValueError):
             pass
-        isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or [f for f in ("avx2",) if f in flags]
+        isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or (["avx2"] if "avx2" in flags else [])
         pages = tensor_pages()
         return (f"cpu: {model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
                 + (f", {' '.join(isa)}" if isa else "") + (f", {pages}" if pages else ""))

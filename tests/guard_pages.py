@@ -61,7 +61,7 @@ def problems(dtype):
 
 
 def main(levels):
-    """levels: "isa:bf16_scheme" pairs, the op's private arguments (isa 0 generic .. 3 AMX)."""
+    """levels: "isa:bf16_scheme" pairs, the op's private arguments (isa 0 generic .. 4 AMX)."""
     calls = dict.fromkeys(levels, 0)
     for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.float64):
         for what, a, b, offs, bias in problems(dtype):

@@ -328,7 +328,7 @@ def test_bf16_kernels_on_row_and_column_edges(level, K):
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, None), (torch.float16, None),
                                              (torch.float16, torch.float32), (torch.bfloat16, None)], ids=str)
 def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
-    """Groups of 1-4 rows (decode) on the FMA paths: dot products along k with k-contiguous
+    """Groups of 1-4 rows (decode; 1-8 with AVX2) on the FMA paths: dot products along k with k-contiguous
     weights ([G, N, K] viewed as [G, K, N]), rows of W streamed with n-contiguous ones ([G, K, N]);
     up to 8 rows in two passes of 4 with AVX2 (and fp32 dot products with AVX-512); larger groups
     the blocked kernel. A call mixing
@@ -350,7 +350,7 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     else:
         b = torch.randn(G, K, N, generator=gen).to(dtype)
     bias = torch.randn(G, N, generator=gen).to(dtype)
-    # The AVX2 kernels (groups of up to 4 rows in every dtype) on every machine with AVX2; bf16
+    # The AVX2 kernels (groups of up to 8 rows in every dtype) on every machine with AVX2; bf16
     # reaches the AVX-512 ones only below AMX: with plain AVX-512 (fp32 FMA) and with AVX512-BF16
     # (the larger groups on VDPBF16PS), where the machine has them.
     if dtype != torch.bfloat16:

@@ -14,7 +14,7 @@ at::parallel_for region share, and computes each item with:
 * "avx2": every dtype on x86-64 CPUs with AVX2 and FMA but no AVX-512, e.g. AMD Zen 1-3 and
   Intel Haswell to the client chips (256-bit FMA; bf16 and fp16 converted to fp32 as they are
   packed, fp32 accumulation; fp64 in fp64). ATen has no fast bf16 matmul there (oneDNN reached
-  1-6 GFLOP/s on a Zen 2, against ~50 in fp32), so this is what makes bf16 usable on them;
+  1.1-6.5 GFLOP/s on one Zen 2 core, against 48-65 in fp32), so this is what makes bf16 usable on them;
 * "aten": ATen's mm on the item's views (any other CPU, or ``MOE_OPS_CPU_ISA=generic``).
 
 Groups of one to four rows (decode: one row per chosen expert; on the "avx2" level up to eight)
