@@ -223,7 +223,7 @@ __attribute__((always_inline)) inline void store_rows(const Task& t, int64_t row
     // N=256 17.87 -> 15.14 ms, G=64, M=2048, K=N=512 13.47 -> 12.24 ms; G=8 and the forwards and
     // input gradients level.
     if (sn == 1 && nc == 2 * VT::L) {
-      const bool nt = stream && (((uintptr_t)c | (uintptr_t)(sm * 2)) & 31) == 0;
+      const bool nt = stream && (((uintptr_t)c | (uintptr_t)(sm * (int64_t)sizeof(TO))) & 31) == 0;
 #pragma GCC unroll 6
       for (int i = 0; i < R; ++i) {
         const __m256i h = f32_to_16bit_x16<O>(VT::add(acc[i][0], bias0), VT::add(acc[i][1], bias1));

@@ -148,7 +148,6 @@ inline __m512i f32_to_bf16x32_native(__m512 lo, __m512 hi) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// Element types by dtype: T is the storage type, Acc the accumulation type.
 // Sixteen elements of a row (masked: lanes past `mask` read nothing and are zero) as fp32.
 template <Dt D> inline __m512 load16_f32(const typename Ty<D>::T* p, __mmask16 m);
 template <> inline __m512 load16_f32<Dt::f32>(const float* p, __mmask16 m) { return masked_load_ps(m, p); }
