@@ -644,6 +644,15 @@ void pack_vnni_tiles(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int
 struct AmxPrefetch {
   const char* p = nullptr;
   int64_t lines = 0, stride = 0, step = 0;
+  // A run of contiguous lines, an equal share at each of `steps` k-steps.
+  static AmxPrefetch spread(const PfRun& run, int64_t steps) {
+    AmxPrefetch pf;
+    pf.p = run.first;
+    pf.lines = ceil_div(run.lines, imax(steps, 1));
+    pf.stride = 64;
+    pf.step = pf.lines * 64;
+    return pf;
+  }
 };
 
 template <int MT, int NT>
@@ -886,12 +895,7 @@ void amx_item_panels(const Task& t, const Item& it, void* ws) {
             const uint16_t* b0 = blk + ((nb / 16) * ks + s0) * kTileElems;
             const uint16_t* b1 = b0 + ks * kTileElems;
             float* c = cbuf + (nb - nc0) * 32;
-            const PfRun run = ahead.take();
-            AmxPrefetch pf;
-            pf.p = run.first;
-            pf.lines = ceil_div(run.lines, imax(kn, 1));
-            pf.stride = 64;
-            pf.step = pf.lines * 64;
+            const AmxPrefetch pf = AmxPrefetch::spread(ahead.take(), kn);
             if (swapped) amx_dispatch(nt, mt, b0, b1, 64, kTileElems, p0, p1, kn, c, 32, pf, s0 > 0);
             else amx_dispatch(mt, nt, p0, p1, 64, kTileElems, b0, b1, kn, c, 32, pf, s0 > 0);
           }
