@@ -161,6 +161,29 @@ def test_bf16_scheme_follows_the_cpu_family_and_is_reported():
     assert not torch.equal(out[1], out[2])
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="reads the CPU vendor from Linux's /proc/cpuinfo on x86-64")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_far_prefetch_follows_the_cpu_vendor_and_never_changes_results(dtype):
+    """fma_item's far prefetches for n-contiguous weights (the op's far_prefetch) are the default
+    exactly on AMD CPUs; forced on or off, the input and weight gradient layouts give the same
+    bits (prefetches move no data into results), with groups large and small so that both the
+    window and the next-slab paths run."""
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read().split("\n\n")[0]
+    assert torch.ops.moe_cpu.far_prefetch() == amd
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(300, 70, generator=gen).to(dtype)
+    b = torch.randn(4, 70, 96, generator=gen).to(dtype)
+    dy = torch.randn(300, 96, generator=gen).to(dtype)
+    offs = torch.tensor([5, 200, 200, 290], dtype=torch.int32)
+    op = torch.ops.moe_cpu.grouped_mm
+    for layout, x, y in (("2d3d", a, b), ("2d2d", a.t(), dy)):
+        out = [op(layout, x, y, offs, None, dtype, -1, -1, f) for f in (-1, 0, 1)]
+        check(out[0], x, y, offs, None, None, what=layout)
+        assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+
+
 def test_gradcheck_through_the_native_kernel():
     a = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)

@@ -121,6 +121,20 @@ bool half_width_cpu() { return amd_cpu_family() == 0x19; }
 // alone, 1 thread) 512-bit swapped / direct 0.71-0.95. Cooper Lake: not measured (none here).
 int32_t default_bf16_scheme() { return half_width_cpu() ? kBf16Swapped256 : kBf16Swapped512; }
 
+// fma_item's far prefetches for n-contiguous B (Task::far_prefetch, the input gradient's and
+// weight gradient's layout): tuned on the Zen 4 VM (2026-12-01, figures at the window and at
+// warm_pages in kernels_x86.cpp), slower on the Intel AMX-class VM (family 6 model 167), where
+// prefetching only the next slab wins. Measured there (2026-12-03, 2 threads, both alternating
+// call by call in one process, 64 MiB written between calls, 16-20 rounds, medians), far -> next
+// slab only: input gradient fp32 G=64, M=2048, K=N=512 5.63 -> 5.15 ms (Dirichlet sizes), 5.36 ->
+// 4.60 ms (equal groups); G=256, M=4096, K=512, N=256 8.75 -> 7.49 ms, 8.74 -> 7.65 ms; fp16 G=64
+// 5.26 -> 4.85 ms, G=256 7.07 -> 6.54 ms; fp64 G=64 14.78 -> 14.84 ms, G=256 21.46 -> 18.69 ms;
+// G=128, M=32768, K=512, N=192 25.59 -> 24.08 ms; G=256, M=32768, K=448, N=128 16.74 -> 15.56 ms;
+// G=8 / 32 / 64 with larger experts level (+-0.5%); weight gradients level (+-1%). Without the
+// page warming alone or the window alone: between the two. Other vendors' CPUs: not measured
+// (none here), so they take the plain prefetch too.
+bool default_far_prefetch() { return amd_cpu_family() != 0; }
+
 Isa detect_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   return detect_isa_x86();
@@ -533,7 +547,8 @@ void run_big(at::ScalarType dtype, const Task& t) {
 constexpr size_t kStreamBytes = size_t(8) << 20;
 
 Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& mat_b, const c10::optional<Tensor>& offs,
-                  const c10::optional<Tensor>& bias, at::ScalarType out_dtype, int64_t isa_cap, int64_t bf16_scheme) {
+                  const c10::optional<Tensor>& bias, at::ScalarType out_dtype, int64_t isa_cap, int64_t bf16_scheme,
+                  int64_t far_prefetch) {
   Problem p = build(std::string(layout), mat_a, mat_b, offs, bias, out_dtype);
   Isa isa = machine_isa();
   if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
@@ -541,9 +556,12 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   const bool stream = p.out.nbytes() >= kStreamBytes && in_reused_block(p.out);
   const int32_t scheme = bf16_scheme < 0 ? default_bf16_scheme() : (int32_t)bf16_scheme;
   TORCH_CHECK(scheme >= kBf16Direct && scheme <= kBf16Swapped512, "moe_cpu.grouped_mm: bf16_scheme");
+  TORCH_CHECK(far_prefetch >= -1 && far_prefetch <= 1, "moe_cpu.grouped_mm: far_prefetch");
+  const bool far = far_prefetch < 0 ? default_far_prefetch() : far_prefetch == 1;
   for (Task& t : p.tasks) {
     t.stream = stream;
     t.bf16_scheme = scheme;
+    t.far_prefetch = far;
   }
   std::vector<Task> small;
   const bool whole_groups_ok =
@@ -588,13 +606,16 @@ void register_ops() {
   // 3 = AVX-512 with AVX512-BF16, 4 = AMX; a value above what the machine has means the best it has.
   // bf16_scheme (bf16 on AVX512-BF16 without AMX, k-contiguous operands): -1 = this CPU's
   // choice (default_bf16_scheme), 0 = direct, 1 = swapped in 256-bit lanes, 2 = swapped in 512-bit
-  // lanes.
+  // lanes. far_prefetch (fma_item with n-contiguous B): -1 = this CPU's choice
+  // (default_far_prefetch), 0 = the next slab only, 1 = the window and the pages past it.
   def->def("grouped_mm(str layout, Tensor mat_a, Tensor mat_b, Tensor? offs, Tensor? bias, ScalarType out_dtype, "
-           "int isa=-1, int bf16_scheme=-1) -> Tensor");
+           "int isa=-1, int bf16_scheme=-1, int far_prefetch=-1) -> Tensor");
   def->def("kernel_for(ScalarType dtype, int isa=-1) -> str", &kernel_for);
   def->def("machine() -> str", &machine);
   // The bf16 scheme for k-contiguous operands here (the bf16_scheme that -1 means).
   def->def("bf16_scheme() -> int", [] { return (int64_t)default_bf16_scheme(); });
+  // Whether fma_item prefetches far ahead here (the far_prefetch that -1 means).
+  def->def("far_prefetch() -> bool", [] { return default_far_prefetch(); });
   // The output cache (output_cache.cpp): [bytes of free blocks held, limit]; empty_cache unmaps
   // the free blocks and returns how many bytes that released.
   def->def("cache_info() -> int[]", &cache_info);

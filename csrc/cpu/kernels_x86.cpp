@@ -1692,7 +1692,8 @@ int64_t fma_workspace(Dt in, int64_t K, bool pairs) {
 // slabs of whole rows; reset by thread_begin).
 static thread_local uintptr_t tl_window_end = 0;
 
-// One prefetch into L2 per 4 KiB page of `rows` runs of `run` bytes, `stride` bytes apart, from p,
+// One prefetch into L2 per 4 KiB page of `rows` runs of `run` bytes, `stride` bytes apart, from p
+// (fma_item: only with Task::far_prefetch, i.e. on AMD; vbs_item: the AVX512-BF16 CPUs without AMX),
 // a block of weights further ahead than the line prefetches (PrefetchBlock) reach: so that, we
 // take it, the page walks of those pages (nested ones under a hypervisor) are done before the
 // line prefetches come (this VM exposes no counters to confirm the cause; perf put 11-14% of the
@@ -1847,7 +1848,8 @@ void fma_item(const Task& t, const Item& it, void* ws) {
       // layout slabs are packed from). Past K they are the next group's ([G, K, N] weights), as
       // many as this slab has: worth it when this item ends its task, so that this thread's next
       // item is usually the next group's; otherwise (e.g. the weight gradient's row blocks of
-      // one group) not. With whole rows (the slab is contiguous bytes) a window instead, which
+      // one group) not. With whole rows (the slab is contiguous bytes), on AMD (Task::far_prefetch:
+      // slower on the Intel AMX-class VM, figures at default_far_prefetch), a window instead, which
       // grows with the compute of each slab: by rows / kWindowRows slabs (at least one) past the
       // end of the widest window so far, up to 4 slabs and kWindowBytes past this slab, issued
       // whole from this slab's end every time (lines already on their way cost only the
@@ -1866,7 +1868,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
       const int64_t ke = imin(K, (k0 + kc) * U), calls = nsub * ceil_div(rows, kMR);
       const bool ahead_ok = t.b_sn == 1 && (ke < K || it.m1 == t.m);
       PrefetchBlock ahead = [&] {
-        if (ahead_ok && wc == t.n && t.b_sk == t.n && ke > k0 * U) {
+        if (t.far_prefetch && ahead_ok && wc == t.n && t.b_sk == t.n && ke > k0 * U) {
           const uintptr_t end = (uintptr_t)t.b + ke * t.b_sk * esz;
           const int64_t slab = (ke - k0 * U) * wc * esz;
           const uintptr_t from = tl_window_end > end ? tl_window_end : end;
@@ -1878,7 +1880,9 @@ void fma_item(const Task& t, const Item& it, void* ws) {
           return PrefetchBlock((const void*)end, 0, 1, 0, (int64_t)(to - end), calls);
         }
         const int64_t ahead_rows = !ahead_ok ? 0 : ke < K ? imin(kKC * U, K - ke) : ke - k0 * U;
-        warm_pages((const char*)t.b + ((ke + ahead_rows) * t.b_sk + it.n0 + nw) * esz, ahead_rows, t.b_sk * esz, wc * esz);
+        if (t.far_prefetch) {
+          warm_pages((const char*)t.b + ((ke + ahead_rows) * t.b_sk + it.n0 + nw) * esz, ahead_rows, t.b_sk * esz, wc * esz);
+        }
         return PrefetchBlock(t.b, (ke * t.b_sk + it.n0 + nw) * esz, ahead_rows, t.b_sk * esz, wc * esz, calls);
       }();
       for (int64_t sb = 0; sb < nsub; ++sb) {
