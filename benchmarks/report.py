@@ -8,6 +8,7 @@ a note saying why it did not run.
 from __future__ import annotations
 
 import json
+import textwrap
 
 from peers import DENSE, ORDER
 
@@ -84,9 +85,15 @@ def plot(path: str, rows: list, title: str) -> str:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(peers), fontsize=8, frameon=False)
-    fig.suptitle(title, fontsize=9, y=0.995 - 0.02)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    # The title (the machine's description, ~200 characters) wrapped above the legend: on one
+    # line it ran past the figure's edges and under the legend.
+    lines = textwrap.wrap(title, 150)
+    height = fig.get_figheight()  # inches; a line of 9-point text is ~0.17 in
+    legend_top = 1 - (0.08 + 0.17 * len(lines)) / height
+    fig.suptitle("\n".join(lines), fontsize=9, y=1 - 0.04 / height)
+    fig.legend(handles, labels, loc="upper center", ncol=len(peers), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, legend_top))
+    fig.tight_layout(rect=(0, 0, 1, legend_top - 0.25 / height))
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return ""
