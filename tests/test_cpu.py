@@ -132,8 +132,18 @@ def test_extension_serves_the_op_forward_and_backward():
     assert torch.count_nonzero(b.grad[1]) == 0  # the empty expert gets an exactly zero gradient
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() not in ("x86_64", "AMD64"),
-                    reason="reads the CPU vendor and family from Linux's /proc/cpuinfo on x86-64")
+needs_cpuinfo = pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() not in ("x86_64", "AMD64"),
+                                   reason="reads the CPU vendor and family from Linux's /proc/cpuinfo on x86-64")
+
+
+def first_cpu_info() -> dict:
+    """The fields of the first processor in /proc/cpuinfo (vendor_id, cpu family, ...)."""
+    with open("/proc/cpuinfo") as f:
+        first_cpu = f.read().split("\n\n")[0]
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
+
+
+@needs_cpuinfo
 def test_bf16_scheme_follows_the_cpu_family_and_is_reported():
     """The swapped bf16 scheme in 256-bit lanes is the default exactly on AMD family 25 (0x19, Zen
     4: 512-bit operations as two 256-bit halves), as /proc/cpuinfo names it (the kernel decodes
@@ -141,9 +151,7 @@ def test_bf16_scheme_follows_the_cpu_family_and_is_reported():
     where bf16 runs on AVX512-BF16. There the op's default (bf16_scheme -1) computes what that
     scheme forced does, bit for bit, and not what the other swapped one does (fp32 out: the two
     sum a row's lanes in different orders)."""
-    with open("/proc/cpuinfo") as f:
-        first_cpu = f.read().split("\n\n")[0]
-    info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
+    info = first_cpu_info()
     zen4_family = info["vendor_id"] == "AuthenticAMD" and int(info["cpu family"]) == 25
     assert torch.ops.moe_cpu.bf16_scheme() == (1 if zen4_family else 2)
     detail = cpu_backend.status().detail
@@ -161,17 +169,14 @@ def test_bf16_scheme_follows_the_cpu_family_and_is_reported():
     assert not torch.equal(out[1], out[2])
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() not in ("x86_64", "AMD64"),
-                    reason="reads the CPU vendor from Linux's /proc/cpuinfo on x86-64")
+@needs_cpuinfo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 def test_far_prefetch_follows_the_cpu_vendor_and_never_changes_results(dtype):
     """fma_item's far prefetches for n-contiguous weights (the op's far_prefetch) are the default
     exactly on AMD CPUs; forced on or off, the input and weight gradient layouts give the same
-    bits (prefetches move no data into results), with groups large and small so that both the
-    window and the next-slab paths run."""
-    with open("/proc/cpuinfo") as f:
-        amd = "AuthenticAMD" in f.read().split("\n\n")[0]
-    assert torch.ops.moe_cpu.far_prefetch() == amd
+    bits (prefetches move no data into results). The groups (5, 195, 0 and 90 rows) reach both
+    the window and the next-slab paths (counted once with a print in each: 48 and 346 times)."""
+    assert torch.ops.moe_cpu.far_prefetch() == (first_cpu_info()["vendor_id"] == "AuthenticAMD")
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(300, 70, generator=gen).to(dtype)
     b = torch.randn(4, 70, 96, generator=gen).to(dtype)
