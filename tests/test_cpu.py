@@ -390,6 +390,31 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
         check(out, a, b, offs, bias, out_dtype, what=f"{isa} {dtype} {out_dtype}")
 
 
+@pytest.mark.parametrize("K", [129, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+def test_k_contiguous_weights_packed_one_k_block_at_a_time(dtype, K):
+    """The blocked FMA kernels with k-contiguous weights ([G, N, K] viewed as [G, K, N]) pack each
+    panel of 64 columns one block of k (128 on AVX-512) at a time into the same buffer: K = 129
+    and 300 give two and three blocks, the last ragged; N = 150 three panels, the last of 22
+    columns; rows of W padded (not back to back); groups of 9-40 rows (past the dot-product
+    kernels), empty ones and trailing rows, a bias. Against the oracle, bitwise identical for
+    any thread count. (The bf16 pair kernels have test_bf16_kernels_on_row_and_column_edges.)"""
+    isas = [i for i in ("avx2", "avx512") if has_level(i)]
+    if not isas:
+        pytest.skip("this CPU has neither AVX2 nor AVX-512: the blocked kernels are x86 code")
+    gen = torch.Generator().manual_seed(11)
+    G, N = 6, 150
+    sizes = torch.tensor([9, 40, 0, 23, 17, 0])
+    offs = torch.cumsum(sizes, 0).to(torch.int32)
+    M = int(offs[-1]) + 5
+    a = torch.randn(M, K, generator=gen).to(dtype)
+    b = torch.randn(G, N, K + 3, generator=gen).to(dtype)[:, :, :K].transpose(1, 2)
+    bias = torch.randn(G, N, generator=gen).to(dtype)
+    for isa in isas:
+        out = run_any_threads((a, b, offs, bias, None), isa)
+        check(out, a, b, offs, bias, None, what=f"{isa} {dtype} K={K}")
+
+
 @pytest.mark.parametrize("level", SWAPPED)
 @pytest.mark.parametrize("row_bytes", [4096, 4096 + 64, 2048])
 def test_swapped_groups_of_up_to_four_rows_by_weight_row_stride(row_bytes, level):
