@@ -393,12 +393,13 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
 @pytest.mark.parametrize("K", [129, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
 def test_k_contiguous_weights_packed_one_k_block_at_a_time(dtype, K):
-    """The blocked FMA kernels with k-contiguous weights ([G, N, K] viewed as [G, K, N]) pack each
-    panel of 64 columns one block of k (128 on AVX-512) at a time into the same buffer: K = 129
-    and 300 give two and three blocks, the last ragged; N = 150 three panels, the last of 22
-    columns; rows of W padded (not back to back); groups of 9-40 rows (past the dot-product
-    kernels), empty ones and trailing rows, a bias. Against the oracle, bitwise identical for
-    any thread count. (The bf16 pair kernels have test_bf16_kernels_on_row_and_column_edges.)"""
+    """The FMA kernels with k-contiguous weights ([G, N, K] viewed as [G, K, N]) pack each panel
+    of columns one k block at a time into the same buffer. AVX-512: panels of 64 columns, blocks
+    of 128 k, so K = 129 and 300 give two and three blocks, the last ragged, and N = 150 three
+    panels, the last of 22 columns; AVX2: 16 columns, blocks of 256 k (K = 300: two). Rows of W
+    padded (not back to back); groups of 9-40 rows (past the dot-product kernels), empty ones
+    and trailing rows, a bias. Against the oracle, bitwise identical for any thread count. (The
+    bf16 pair kernels have test_bf16_kernels_on_row_and_column_edges.)"""
     isas = [i for i in ("avx2", "avx512") if has_level(i)]
     if not isas:
         pytest.skip("this CPU has neither AVX2 nor AVX-512: the blocked kernels are x86 code")
