@@ -41,7 +41,12 @@ def guarded(t: torch.Tensor, at_end: bool) -> torch.Tensor:
 def problems(dtype):
     """(name, mat_a, mat_b, offs, bias) per layout and weight orientation: K and N off every
     vector and tile width, an empty group, groups of 2-4 rows (decode kernels, with K >= 4096
-    too), one larger than an AMX item's share of L2 (301 rows), and trailing rows."""
+    too), one larger than an AMX item's share of L2 (301 rows), and trailing rows. In bf16 also
+    two groups of 640 + 600 or 668 + 668 rows at K = 4096, the last one ending where A ends:
+    make_items cuts them (2 threads) into items of 72 rows (the last of 64), 75, and 84 (the
+    last of 80), past the 64 rows of an AMX item in L2 at that K, so amx_item_panels reads their
+    full 32-row panels of A as tiles in place and copies the 8, 11 or 20 rows left, except that
+    the last 16 rows, up to the end of A, are read in place too (1 thread: items of 120-167)."""
     g = torch.Generator().manual_seed(0)
 
     def r(*size):
@@ -58,6 +63,12 @@ def problems(dtype):
         yield "2d2d [K, M]", r(K, M), r(M, N), offs, None
         yield "3d3d", r(G, 5, K), r(G, K, N), None, r(G, N)
         yield "3d2d", r(G, 5, K), r(K, N + 30), torch.tensor([0, 2, 2, 9, 20, N + 29], dtype=torch.int32), None
+    if dtype == torch.bfloat16:
+        K, N = 4096, 40
+        for sizes in ((640, 600), (668, 668)):
+            offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            yield f"2d3d [G, K, N] groups of {sizes}", r(sum(sizes), K), r(2, K, N), offs, r(2, N)
+            yield f"2d3d [G, N, K]^T groups of {sizes}", r(sum(sizes), K), r(2, N, K).transpose(1, 2), offs, None
 
 
 def main(levels):

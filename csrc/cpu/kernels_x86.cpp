@@ -28,7 +28,9 @@
 // * swapped: C^T = B^T @ A^T. Used when B is k-contiguous (mat_b = W.transpose(1, 2) with W a
 //   [G, N, K] nn.Linear-style weight, the common case): rows of W are loaded as AMX tiles
 //   straight from memory, so the weights are read once and never copied; only the (smaller)
-//   activations are packed (VNNI of A^T). The epilogue transposes 16x16 blocks back.
+//   activations are packed (VNNI of A^T). The epilogue transposes 16x16 blocks back. Not in
+//   amx_item_panels (large groups), which packs W once per slice anyway and takes the direct
+//   scheme for every layout.
 // Measured on the 2-core Sapphire Rapids VM this was developed on (1 thread, G=64, M=2048,
 // K=N=512, bf16): oneDNN's B packing (cpublas::pack) took 2.5-3 us per 512x64 panel and the
 // brgemm ukernel 3 us per 32x64x512 call, so the packing alone equalled the AMX work; a packed
@@ -833,11 +835,24 @@ int64_t amx_slice_cols(int64_t cols, int64_t kp) {
 }
 
 // An item with more rows than fit packed in L2 (a large group): the right operand's columns are
-// packed once per slice of `wide` columns (1 MiB, L2), and the rows stream through 32 at a time
-// (packed into 2 tiles x K, 64 KiB at K = 1024), each against every column block of the slice.
-// So the expert's weights are packed once per call whatever the group's size, where the
-// L2-resident scheme below packs or streams them once per 256 rows. Direct scheme: VNNI(B) slice,
-// A rows as tiles. Swapped scheme (k-contiguous W): rows of W copied as tiles, VNNI(A^T).
+// packed once per slice of `wide` columns (1 MiB, L2), and the rows stream through 32 at a time,
+// each against every column block of the slice. So the expert's weights are packed once per
+// call whatever the group's size, where the L2-resident scheme below packs or streams them once
+// per 256 rows. Always the direct scheme (C = A @ VNNI(B)), k-contiguous W too, whose slice is
+// then packed by 16 x 16 word transposes; A's rows are read as tiles in place where they can be
+// (row-major, K a multiple of 32, a 16- or 32-row panel), else copied into 2 tiles x K (64 KiB
+// at K = 1024). The swapped scheme here (W's rows copied as tiles, every 32-row panel of A
+// packed into VNNI(A^T) once per slice, the sums transposed on the way out) measured slower on
+// the Intel AMX VM (2026-12-03, 2 threads, one process alternating call by call, 64 MiB written
+// between calls, 10-30 rounds, medians), swapped -> direct with A in place: G=8, M=4096, K=1024,
+// N=2048 forward 7.59 -> 6.63, 7.79 -> 6.77 ms (Dirichlet sizes), 7.14 -> 6.66 ms (equal
+// groups); M=16384 27.6 -> 25.4 ms; Mixtral /4 (G=8, M=1024, K=1024, N=3584) 4.35 / 4.31 / 4.42
+// -> 4.09 / 4.09 / 4.14 ms; G=8, M=1024, K=720, N=1440 (A copied) 1.87 -> 1.80 ms; direct with
+// A copied: G=8, M=4096 level (7.76 -> 7.83 ms). A in place in the input gradient (direct
+// already): G=8, M=4096 7.99 -> 7.46, 7.82 -> 7.29 ms, equal groups 7.56 -> 7.19 ms, M=16384
+// 27.6 -> 25.8 ms, Mixtral /4 5.61 -> 5.44 ms. G=64, M=2048, K=N=512 (few items this large):
+// level. (A in place in amx_item too, for the input gradient's smaller items: 0-2% in three runs
+// of 40 rounds, not kept.)
 template <Dt O>
 void amx_item_panels(const Task& t, const Item& it, void* ws) {
   const int64_t K = t.k, rows = it.m1 - it.m0, cols = it.n1 - it.n0;
@@ -849,13 +864,14 @@ void amx_item_panels(const Task& t, const Item& it, void* ws) {
   alignas(64) float bias[32];
   const uint16_t* a = (const uint16_t*)t.a + it.m0 * t.a_sm;
   const uint16_t* b = (const uint16_t*)t.b;
-  const bool swapped = t.b_sk == 1 && t.b_sn != 1;
+  const bool a_in_place = t.a_sk == 1 && K % 32 == 0;
   const int64_t wide = amx_slice_cols(cols, kp);
   // The rows of A the panel after the one at r0 packs (the item's first 32 again after its last
   // when another slice follows) into L2, spread over the k steps of the panel's block calls, so
-  // that the next pack reads them from L2 instead of the L3 or memory (row-major or k-major A;
-  // other strides: none). The packs of A were 12% of a G=8, M=4096, K=1024, N=2048 forward's
-  // time on an Intel AMX VM (2026-12-03, rdtsc per phase, 2 threads: per thread A packs 0.9 ms,
+  // that the next pack (or, in place, the next panel's tile loads) reads them from L2 instead of
+  // the L3 or memory (row-major or k-major A; other strides: none). The packs of A were 12% of a
+  // G=8, M=4096, K=1024, N=2048 forward's time on an Intel AMX VM (2026-12-03, before the direct
+  // scheme and A in place here; rdtsc per phase, 2 threads: per thread A packs 0.9 ms,
   // W slices 0.8, tiles 4.3, stores 1.05-1.6 of 8.4 ms); with this, the A packs took a third
   // less and the tiles ~6% more. In process, alternating, 2 threads, caches flushed, medians
   // of 20-60 rounds: that forward 8.73 -> 8.71, 9.01 -> 8.88 and 8.47 -> 8.19 ms, M=8192 16.90
@@ -869,13 +885,17 @@ void amx_item_panels(const Task& t, const Item& it, void* ws) {
   };
   for (int64_t nw = 0; nw < cols; nw += wide) {
     const int64_t wc = imin(wide, cols - nw);
-    if (swapped) pack_rows_tiles(b + (it.n0 + nw) * t.b_sn, t.b_sn, t.b_sk, wc, K, blk);
-    else pack_vnni_tiles(b + (it.n0 + nw) * t.b_sn, t.b_sk, t.b_sn, K, wc, blk);
+    pack_vnni_tiles(b + (it.n0 + nw) * t.b_sn, t.b_sk, t.b_sn, K, wc, blk);
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
       const int64_t rr = imin(32, rows - r0);
       const int mt = rr > 16 ? 2 : 1;
-      if (swapped) pack_vnni_tiles(a + r0 * t.a_sm, t.a_sk, t.a_sm, K, rr, panel);
-      else pack_rows_tiles(a + r0 * t.a_sm, t.a_sm, t.a_sk, rr, K, panel);
+      // The panel's two tiles: A's rows in place (`a_stride` bytes apart, 32 k per step), or
+      // their copy (64 bytes apart, kTileElems per step).
+      const bool in_place = a_in_place && (rr == 32 || rr == 16);
+      if (!in_place) pack_rows_tiles(a + r0 * t.a_sm, t.a_sm, t.a_sk, rr, K, panel);
+      const uint16_t* a0 = in_place ? a + r0 * t.a_sm : panel;
+      const uint16_t* a1 = in_place ? a0 + 16 * t.a_sm : panel + ks * kTileElems;
+      const int64_t a_stride = in_place ? t.a_sm * 2 : 64, a_step = in_place ? 32 : kTileElems;
       PrefetchBlock ahead = next_panel(r0, nw + wc < cols, ceil_div(wc, 32) * ceil_div(imax(ks, 1), kAmxPanelK));
       // Column blocks in chunks of 8 x 32 columns, k in steps of kAmxPanelK tiles, so the
       // panel's k step (2 tiles x kAmxPanelK, 16 KiB) stays in L1 for the chunk; the chunk's
@@ -888,24 +908,22 @@ void amx_item_panels(const Task& t, const Item& it, void* ws) {
         const int64_t nce = imin(wc, nc0 + 256);
         for (int64_t s0 = 0; s0 < imax(ks, 1); s0 += kc) {  // k == 0: one pass of zero steps
           const int64_t kn = imin(kc, ks - s0);
-          const uint16_t* p0 = panel + s0 * kTileElems;
-          const uint16_t* p1 = panel + (ks + s0) * kTileElems;
+          const uint16_t* p0 = a0 + s0 * a_step;
+          const uint16_t* p1 = a1 + s0 * a_step;
           for (int64_t nb = nc0; nb < nce; nb += 32) {
             const int nt = nce - nb > 16 ? 2 : 1;
             const uint16_t* b0 = blk + ((nb / 16) * ks + s0) * kTileElems;
             const uint16_t* b1 = b0 + ks * kTileElems;
             float* c = cbuf + (nb - nc0) * 32;
             const AmxPrefetch pf = AmxPrefetch::spread(ahead.take(), kn);
-            if (swapped) amx_dispatch(nt, mt, b0, b1, 64, kTileElems, p0, p1, kn, c, 32, pf, s0 > 0);
-            else amx_dispatch(mt, nt, p0, p1, 64, kTileElems, b0, b1, kn, c, 32, pf, s0 > 0);
+            amx_dispatch(mt, nt, p0, p1, a_stride, a_step, b0, b1, kn, c, 32, pf, s0 > 0);
           }
         }
         for (int64_t nb = nc0; nb < nce; nb += 32) {
           const int64_t nc = imin(32, wc - nb);
           const float* c = cbuf + (nb - nc0) * 32;
           load_bias<Dt::bf16>(t, it.n0 + nw + nb, nc, bias, 32);
-          if (swapped) store_block_transposed<O>(t, it.m0 + r0, it.n0 + nw + nb, c, 32, rr, nc, bias);
-          else store_block<O>(t, it.m0 + r0, it.n0 + nw + nb, c, 32, rr, nc, bias);
+          store_block<O>(t, it.m0 + r0, it.n0 + nw + nb, c, 32, rr, nc, bias);
         }
       }
     }
