@@ -34,20 +34,29 @@ def _extensions():
     opt = os.environ.get("MOE_OPS_OPT")
 
     class OptionalBuildExtension(BuildExtension):
-        """Builds each module; a failure (no compiler, ...) is reported and the install goes on."""
+        """Builds each module; a failure (no compiler, ...) is reported and the install goes on.
+        A module that failed is also removed where an earlier build left it (the build tree and,
+        for in-place builds, the package), so that a failed rebuild after an edit leaves the
+        reference in use, with its reason, instead of the previous build's module."""
 
         def run(self):
+            failed = self._failed = []
             try:
                 super().run()
             except Exception as e:  # no usable compiler at all, ...
                 for ext in self.extensions:
                     _not_built(ext, e)
+                failed[:] = self.extensions
+            for ext in failed:  # (in place: the package's copy; else the build tree's, if left)
+                _remove(self.get_ext_fullpath(ext.name))
 
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)
             except Exception as e:  # a compile error, ...
                 _not_built(ext, e)
+                self._failed.append(ext)
+                _remove(self.get_ext_fullpath(ext.name))  # not copied in place then (optional)
 
     cpu = CppExtension(
         "moe_ops._cpu",
@@ -59,6 +68,7 @@ def _extensions():
         define_macros=[("MOE_OPS_TORCH_VERSION", torch.__version__)],
         extra_compile_args=[opt or "-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],
+        optional=True,  # setuptools then skips the in-place copy of a module that was not built
     )
     autograd = CppExtension(
         "moe_ops._autograd",
@@ -66,6 +76,7 @@ def _extensions():
         # Likewise.
         define_macros=[("MOE_OPS_TORCH_VERSION", torch.__version__)],
         extra_compile_args=[opt or "-O2"],
+        optional=True,
     )
     return [cpu, autograd], {"build_ext": OptionalBuildExtension}
 
@@ -74,6 +85,12 @@ FALLBACK = {
     "moe_ops._cpu": "the op will use the reference on CPU",
     "moe_ops._autograd": "the op will use its Python Autograd kernel",
 }
+
+
+def _remove(path: str) -> None:
+    if os.path.exists(path):
+        os.remove(path)
+        print(f"moe_ops: removed {path}, an earlier build of a module that did not build now", file=sys.stderr)
 
 
 def _not_built(ext, e: Exception) -> None:

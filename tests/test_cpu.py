@@ -969,6 +969,29 @@ def test_the_compiled_module_refuses_another_torch():
     assert "OPS False" in r.stdout and "COUNTS {'reference': 1}" in r.stdout
 
 
+def test_a_failed_rebuild_removes_the_modules_an_earlier_build_left(tmp_path):
+    """setup.py's C++ modules are optional: a compile error is reported and the install goes on
+    with the reference. The earlier build's module must not stay behind then (in the build tree,
+    from where it would be copied into the package, or in the package itself for in-place builds),
+    or a rebuild after a broken edit would silently go on testing the old kernels. Here the
+    compiler is `false`, so both modules fail at once, into a scratch build tree that holds stale
+    copies of both."""
+    suffix = ".cpython-" + sys.implementation.cache_tag.split("-")[-1] + "-" + platform.machine() + "-linux-gnu.so"
+    stale = [tmp_path / "lib" / "moe_ops" / (name + suffix) for name in ("_cpu", "_autograd")]
+    for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"an earlier build")
+    env = dict(os.environ, CXX="false", CC="false", MAX_JOBS="1")
+    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                        "--build-temp", str(tmp_path / "temp")],
+                       capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name in ("_cpu", "_autograd"):
+        assert f"moe_ops: WARNING: moe_ops.{name} was not built" in r.stderr, r.stderr[-3000:]
+    assert [p.exists() for p in stale] == [False, False], r.stderr[-3000:]
+    assert r.stderr.count("an earlier build of a module that did not build now") == 2
+
+
 def test_the_suite_collects_without_the_compiled_module():
     # Found on an H200 machine, where the extension is not built: parametrize arguments computed
     # at import time asked the missing extension and the whole run stopped at collection.
