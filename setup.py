@@ -40,14 +40,14 @@ def _extensions():
         reference in use, with its reason, instead of the previous build's module."""
 
         def run(self):
-            failed = self._failed = []
+            self._failed = []
             try:
                 super().run()
             except Exception as e:  # no usable compiler at all, ...
                 for ext in self.extensions:
                     _not_built(ext, e)
-                failed[:] = self.extensions
-            for ext in failed:  # (in place: the package's copy; else the build tree's, if left)
+                self._failed = list(self.extensions)
+            for ext in self._failed:  # (in place: the package's copy; else the build tree's, if left)
                 _remove(self.get_ext_fullpath(ext.name))
 
         def build_extension(self, ext):

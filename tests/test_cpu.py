@@ -32,6 +32,7 @@ import random
 import re
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 
@@ -976,7 +977,7 @@ def test_a_failed_rebuild_removes_the_modules_an_earlier_build_left(tmp_path):
     or a rebuild after a broken edit would silently go on testing the old kernels. Here the
     compiler is `false`, so both modules fail at once, into a scratch build tree that holds stale
     copies of both."""
-    suffix = ".cpython-" + sys.implementation.cache_tag.split("-")[-1] + "-" + platform.machine() + "-linux-gnu.so"
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
     stale = [tmp_path / "lib" / "moe_ops" / (name + suffix) for name in ("_cpu", "_autograd")]
     for path in stale:
         path.parent.mkdir(parents=True, exist_ok=True)
