@@ -525,21 +525,27 @@ def test_stale_nan_in_scratch_and_output_memory_never_leaks(isa):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d", "3d3d"])
+@pytest.mark.parametrize("layout", ["2d3d", "2d3d-nk", "2d2d", "3d2d", "3d3d"])
 def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
-    """Large groups take ATen's multi-threaded mm (fp32 from 2**26 multiply-adds, except on AMD
+    """Large groups take ATen's multi-threaded mm (fp32 from 2**26 multiply-adds, and against
+    k-contiguous weights at the AVX-512 levels from 384 rows: "2d3d-nk", the transposed view of
+    [G, N, K], has a third group of 360 rows and 2**26.5 that stays on the items; except on AMD
     CPUs at the AVX2 and AVX-512 levels, hence the generic level too; bf16 from 2**28 only at the
     generic and AVX-512 levels), the others the items; one call mixes both (and a group with a
     bias or fp32 output never takes the mm path). The best level runs every group on the items
     where the rules say so (AMD fp32, bf16 on AVX2, AVX512-BF16 and AMX)."""
     gen = torch.Generator().manual_seed(1)
     big, K, N = 1040, 512, 520  # 1040 * 512 * 520 > 2**28
-    shapes = {"2d3d": ((big + 70, K), (3, K, N)), "2d2d": ((N, big + 70), (big + 70, K)),
+    shapes = {"2d3d": ((big + 70, K), (3, K, N)), "2d3d-nk": ((big + 370, K), (3, N, K)),
+              "2d2d": ((N, big + 70), (big + 70, K)),
               "3d2d": ((3, big, K), (K, 2 * N)), "3d3d": ((2, big, K), (2, K, N))}
-    offs = {"2d3d": [10, 10 + big, big + 60], "2d2d": [50, 50 + big, big + 60], "3d2d": [7, 7, N + 7], "3d3d": None}
+    offs = {"2d3d": [10, 10 + big, big + 60], "2d3d-nk": [10, 10 + big, big + 370], "2d2d": [50, 50 + big, big + 60],
+            "3d2d": [7, 7, N + 7], "3d3d": None}
     sa, sb = shapes[layout]
     a = torch.randn(*sa, generator=gen).to(dtype)
     b = torch.randn(*sb, generator=gen).to(dtype)
+    if layout == "2d3d-nk":
+        b = b.transpose(1, 2)
     o = None if offs[layout] is None else torch.tensor(offs[layout], dtype=torch.int32)
     if torch.ops.moe_cpu.machine() == "generic":
         isas = ["amx"]

@@ -513,10 +513,25 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
 //   (2026-11-30, `benchmarks/bench.py --shapes issue --dtypes bf16`, 2 threads, fresh sizes,
 //   ratio to dense, runs alternating): same shape, groups of >= 2^28 to oneDNN / all on the
 //   items: forward x1.18 / x1.01 and x1.03, input gradient x1.25 / x1.12 and x1.06.
+// * fp32 with k-contiguous B (the forward's [G, N, K] weights) at the AVX-512 levels: to MKL
+//   only from kMklMinRowsKContig rows, past which MKL's transposed-B gemm outruns the FMA items.
+//   Measured on the Intel AMX VM (2026-12-04, 2 threads, one group of m rows x 8 groups, K=1024,
+//   N=2048, GFLOP/s, MKL / items): m = 32 201 / 309, 64 272 / 364, 128 328 / 346, 256 356 / 369,
+//   512 403 / 382, 1024 420 / 390; with n-contiguous B (input gradient) 64 300 / 338, 128
+//   350 / 347, 256 361 / 374, 512 412 / 383; the weight gradient's tasks (k = the group's rows)
+//   MKL 380-421 / items 327-407 at k = 32-2048, so both of those keep 2^26. In process,
+//   alternating, Dirichlet sizes drawn per round, 64 MiB written between calls, 20 rounds,
+//   medians, forward, threshold 0 -> 384 rows: Mixtral /4 (G=8, M=1024, K=1024, N=3584) 25.6 ->
+//   22.0 and 25.9 -> 22.2 ms; G=8, M=4096, K=1024, N=2048 44.2 -> 43.0, 44.1 -> 43.4, 44.7 ->
+//   43.3 ms; OLMoE /2 (G=64, M=4096, K=1024, N=512) 16.1 -> 15.2, 15.3 -> 15.0 ms; GPT-OSS /4,
+//   G=64 and G=256 level. The input gradient with the same rule: G=8 level, Mixtral /4 23.7 ->
+//   25.6 ms, so it keeps 2^26.
 constexpr double kBigTaskMacs = double(1 << 28);
 constexpr double kBigTaskMacsF32 = double(1 << 26);
+constexpr int64_t kMklMinRowsKContig = 384;
 
-bool is_big(const Task& t, at::ScalarType dtype) {
+bool is_big(const Task& t, at::ScalarType dtype, Isa isa) {
+  if (dtype == at::kFloat && isa >= Isa::avx512 && t.b_sk == 1 && t.m < kMklMinRowsKContig) return false;
   const double macs = (double)t.m * (double)t.n * (double)t.k;
   return macs >= (dtype == at::kFloat ? kBigTaskMacsF32 : kBigTaskMacs);
 }
@@ -568,7 +583,7 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
       out_dtype == dtype && ((dtype == at::kFloat && (isa == Isa::generic || amd_cpu_family() == 0)) ||
                              (dtype == at::kBFloat16 && (isa == Isa::generic || isa == Isa::avx512)));
   for (const Task& t : p.tasks) {
-    if (whole_groups_ok && t.bias == nullptr && is_big(t, dtype)) {
+    if (whole_groups_ok && t.bias == nullptr && is_big(t, dtype, isa)) {
       run_big(dtype, t);
     } else {
       small.push_back(t);
