@@ -533,7 +533,8 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
     CPUs at the AVX2 and AVX-512 levels, hence the generic level too; bf16 from 2**28 only at the
     generic and AVX-512 levels), the others the items; one call mixes both (and a group with a
     bias or fp32 output never takes the mm path). The best level runs every group on the items
-    where the rules say so (AMD fp32, bf16 on AVX2, AVX512-BF16 and AMX)."""
+    where the rules say so (AMD fp32, bf16 on AVX2, AVX512-BF16 and AMX). Which groups took the
+    mm path is pinned too (moe_cpu.mm_groups), so the shapes cannot drift off what they test."""
     gen = torch.Generator().manual_seed(1)
     big, K, N = 1040, 512, 520  # 1040 * 512 * 520 > 2**28
     shapes = {"2d3d": ((big + 70, K), (3, K, N)), "2d3d-nk": ((big + 370, K), (3, N, K)),
@@ -551,9 +552,25 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
         isas = ["amx"]
     else:
         isas = ["avx512" if dtype == torch.bfloat16 and has_level("avx512") else "generic", "amx"]
+    amd = first_cpu_info()["vendor_id"] == "AuthenticAMD"
     for isa, out_dtype in itertools.product(isas, [None, torch.float32] if dtype == torch.bfloat16 else [None]):
-        check_by_reference(run((a, b, o, None, out_dtype), isa), a, b, o, None, out_dtype,
-                           what=f"{isa} {layout} {dtype} {out_dtype}")
+        what = f"{isa} {layout} {dtype} {out_dtype}"
+        check_by_reference(run((a, b, o, None, out_dtype), isa), a, b, o, None, out_dtype, what=what)
+        level = min(ISA[isa], ISA[torch.ops.moe_cpu.machine()])
+        if dtype == torch.float32:
+            whole = not amd or level == ISA["generic"]
+        else:
+            whole = out_dtype is None and level in (ISA["generic"], ISA["avx512"])
+        # The big group of each layout; the 360-row one too where k-contiguous weights do not
+        # keep it on the items (below the AVX-512 levels).
+        want = {"2d3d": [1], "2d3d-nk": [1, 2] if dtype == torch.float32 and level < ISA["avx512"] else [1],
+                "2d2d": [1], "3d2d": [2], "3d3d": [0, 1]}[layout] if whole else []
+        got = torch.ops.moe_cpu.mm_groups(_contract.layout_of(a, b), a, b, o, None, out_dtype or a.dtype, ISA[isa])
+        assert got == want, what
+        bias = torch.zeros(b.shape[0], b.shape[-1], dtype=dtype) if layout in ("2d3d", "2d3d-nk", "3d3d") else None
+        if bias is not None:
+            assert torch.ops.moe_cpu.mm_groups(_contract.layout_of(a, b), a, b, o, bias, out_dtype or a.dtype,
+                                               ISA[isa]) == [], what
 
 
 @pytest.mark.parametrize("K", [8192, 8200])

@@ -561,12 +561,28 @@ void run_big(at::ScalarType dtype, const Task& t) {
 // operation either way).
 constexpr size_t kStreamBytes = size_t(8) << 20;
 
+// The level a call runs at: the machine's best, or isa_cap where that is lower (-1: no cap).
+Isa capped_isa(int64_t isa_cap) {
+  const Isa isa = machine_isa();
+  return isa_cap >= 0 && isa_cap < (int64_t)isa ? (Isa)isa_cap : isa;
+}
+
+// For each task, whether it goes to ATen's mm with all threads (run_big) rather than to the
+// items (see kBigTaskMacs for the rules and the figures behind them).
+std::vector<bool> whole_group_mm(const std::vector<Task>& tasks, at::ScalarType dtype, at::ScalarType out_dtype,
+                                 Isa isa) {
+  const bool ok = out_dtype == dtype && ((dtype == at::kFloat && (isa == Isa::generic || amd_cpu_family() == 0)) ||
+                                         (dtype == at::kBFloat16 && (isa == Isa::generic || isa == Isa::avx512)));
+  std::vector<bool> big(tasks.size());
+  for (size_t i = 0; i < tasks.size(); ++i) big[i] = ok && tasks[i].bias == nullptr && is_big(tasks[i], dtype, isa);
+  return big;
+}
+
 Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& mat_b, const c10::optional<Tensor>& offs,
                   const c10::optional<Tensor>& bias, at::ScalarType out_dtype, int64_t isa_cap, int64_t bf16_scheme,
                   int64_t far_prefetch) {
   Problem p = build(std::string(layout), mat_a, mat_b, offs, bias, out_dtype);
-  Isa isa = machine_isa();
-  if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
+  const Isa isa = capped_isa(isa_cap);
   const auto dtype = mat_a.scalar_type();
   const bool stream = p.out.nbytes() >= kStreamBytes && in_reused_block(p.out);
   const int32_t scheme = bf16_scheme < 0 ? default_bf16_scheme() : (int32_t)bf16_scheme;
@@ -579,15 +595,10 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
     t.far_prefetch = far;
   }
   std::vector<Task> small;
-  const bool whole_groups_ok =
-      out_dtype == dtype && ((dtype == at::kFloat && (isa == Isa::generic || amd_cpu_family() == 0)) ||
-                             (dtype == at::kBFloat16 && (isa == Isa::generic || isa == Isa::avx512)));
-  for (const Task& t : p.tasks) {
-    if (whole_groups_ok && t.bias == nullptr && is_big(t, dtype, isa)) {
-      run_big(dtype, t);
-    } else {
-      small.push_back(t);
-    }
+  const auto big = whole_group_mm(p.tasks, dtype, out_dtype, isa);
+  for (size_t i = 0; i < p.tasks.size(); ++i) {
+    if (big[i]) run_big(dtype, p.tasks[i]);
+    else small.push_back(p.tasks[i]);
   }
   if (isa == Isa::generic) {
     run_generic(dtype, out_dtype, small);
@@ -602,13 +613,27 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
 
 // Which kernel a call with this dtype runs here: "amx", "avx512_bf16", "avx512" or "generic".
 std::string kernel_for(at::ScalarType dtype, int64_t isa_cap) {
-  Isa isa = machine_isa();
-  if (isa_cap >= 0 && isa_cap < (int64_t)isa) isa = (Isa)isa_cap;
+  Isa isa = capped_isa(isa_cap);
   if (isa >= Isa::avx512bf16 && dtype != at::kBFloat16) isa = Isa::avx512;
   return isa_name(isa);
 }
 
 std::string machine() { return isa_name(machine_isa()); }
+
+// The groups (tasks, in order: a 3D operand's batch entries) that grouped_mm with the same
+// arguments sends to ATen's mm whole; the tests use it to pin which path their shapes exercise.
+// It builds the problem as the call does (its offs checks, its output allocated), nothing more.
+std::vector<int64_t> mm_groups(c10::string_view layout, const Tensor& mat_a, const Tensor& mat_b,
+                               const c10::optional<Tensor>& offs, const c10::optional<Tensor>& bias,
+                               at::ScalarType out_dtype, int64_t isa_cap) {
+  const Problem p = build(std::string(layout), mat_a, mat_b, offs, bias, out_dtype);
+  const auto big = whole_group_mm(p.tasks, mat_a.scalar_type(), out_dtype, capped_isa(isa_cap));
+  std::vector<int64_t> groups;
+  for (size_t i = 0; i < big.size(); ++i) {
+    if (big[i]) groups.push_back((int64_t)i);
+  }
+  return groups;
+}
 
 std::vector<int64_t> cache_info() { return {cache_cached_bytes(), cache_limit_bytes()}; }
 
@@ -627,6 +652,9 @@ void register_ops() {
            "int isa=-1, int bf16_scheme=-1, int far_prefetch=-1) -> Tensor");
   def->def("kernel_for(ScalarType dtype, int isa=-1) -> str", &kernel_for);
   def->def("machine() -> str", &machine);
+  def->def("mm_groups(str layout, Tensor mat_a, Tensor mat_b, Tensor? offs, Tensor? bias, ScalarType out_dtype, "
+           "int isa=-1) -> int[]",
+           &mm_groups);
   // The bf16 scheme for k-contiguous operands here (the bf16_scheme that -1 means).
   def->def("bf16_scheme() -> int", [] { return (int64_t)default_bf16_scheme(); });
   // Whether fma_item prefetches far ahead here (the far_prefetch that -1 means).
