@@ -573,6 +573,20 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
                                                ISA[isa]) == [], what
 
 
+def test_a_bias_not_g_by_n_is_refused_before_it_is_read():
+    """The kernel's own op (behind the contract's checks) refuses a bias that is not [G, N] in the
+    inputs' dtype with its message, before any group takes the bias's strides (a 1-D bias used
+    to raise ATen's IndexError from there)."""
+    a, b, offs = torch.randn(9, 8), torch.randn(3, 8, 5), torch.tensor([2, 5, 9], dtype=torch.int32)
+    for bias in (torch.zeros(5), torch.zeros(2, 5), torch.zeros(3, 4), torch.zeros(3, 5, 1),
+                 torch.zeros(3, 5, dtype=torch.float64)):
+        for layout, mat_a, o in (("2d3d", a, offs), ("3d3d", a.reshape(3, 3, 8), None)):
+            with pytest.raises(RuntimeError, match=r"bias must be \[G, N\]"):
+                torch.ops.moe_cpu.grouped_mm(layout, mat_a, b, o, bias, torch.float32)
+    good = torch.ops.moe_cpu.grouped_mm("2d3d", a, b, offs, torch.ones(3, 5), torch.float32)
+    check(good, a, b, offs, torch.ones(3, 5), None)
+
+
 @pytest.mark.parametrize("K", [8192, 8200])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout,bias", [(layout, False) for layout in ("2d3d", "2d3d-kn", "2d2d", "3d2d", "3d3d")]

@@ -242,6 +242,12 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
                                                                            a.scalar_type() == at::kHalf)),
               "moe_cpu.grouped_mm: out_dtype");
   const Tensor* bias = bias_opt.has_value() && bias_opt->defined() ? &*bias_opt : nullptr;
+  // Before any task reads the bias's strides.
+  auto check_bias = [&](int64_t G, int64_t N) {
+    TORCH_CHECK(bias == nullptr || (bias->device().is_cpu() && bias->dim() == 2 && bias->size(0) == G &&
+                                    bias->size(1) == N && bias->scalar_type() == a.scalar_type()),
+                "moe_cpu.grouped_mm: bias must be [G, N] on the CPU in the inputs' dtype");
+  };
   const auto opts = a.options().dtype(out_dtype);
   Problem p;
   int64_t G = 0, N = 0;
@@ -250,6 +256,7 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
     const int64_t M = a.size(0), K = a.size(1);
     G = b.size(0);
     N = b.size(2);
+    check_bias(G, N);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const auto ends = read_offs(*offs, G, M);
     p.out = new_output({M, N}, opts);
@@ -282,6 +289,7 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
     G = a.size(0);
     const int64_t M = a.size(1), K = a.size(2);
     N = b.size(2);
+    check_bias(G, N);
     p.out = new_output({G, M, N}, opts);
     for (const auto g : c10::irange(G)) {
       p.tasks.push_back(make_task(a, g * a.stride(0), a.stride(1), a.stride(2), b, g * b.stride(0), b.stride(1),
@@ -305,10 +313,6 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
     if (s < N) p.out.narrow(1, s, N - s).zero_();  // columns past offs[-1]
   } else {
     TORCH_CHECK(false, "moe_cpu.grouped_mm: unknown layout ", layout);
-  }
-  if (bias != nullptr) {
-    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == G && bias->size(1) == N && bias->scalar_type() == a.scalar_type(),
-                "moe_cpu.grouped_mm: bias must be [G, N] in the inputs' dtype");
   }
   return p;
 }
