@@ -250,12 +250,9 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
   };
   const auto opts = a.options().dtype(out_dtype);
   Problem p;
-  int64_t G = 0, N = 0;
   if (layout == "2d3d") {
     TORCH_CHECK(a.dim() == 2 && b.dim() == 3 && a.size(1) == b.size(1), "moe_cpu.grouped_mm: 2d3d shapes");
-    const int64_t M = a.size(0), K = a.size(1);
-    G = b.size(0);
-    N = b.size(2);
+    const int64_t M = a.size(0), K = a.size(1), G = b.size(0), N = b.size(2);
     check_bias(G, N);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const auto ends = read_offs(*offs, G, M);
@@ -270,10 +267,9 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
   } else if (layout == "2d2d") {
     TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "moe_cpu.grouped_mm: 2d2d shapes");
     TORCH_CHECK(bias == nullptr, "moe_cpu.grouped_mm: no bias for 2d2d");
-    const int64_t M = a.size(0), K = a.size(1);
-    N = b.size(1);
+    const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
-    G = offs->size(0);
+    const int64_t G = offs->size(0);
     const auto ends = read_offs(*offs, G, K);
     p.out = new_output({G, M, N}, opts);
     int64_t s = 0;
@@ -286,9 +282,7 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
   } else if (layout == "3d3d") {
     TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
                 "moe_cpu.grouped_mm: 3d3d shapes");
-    G = a.size(0);
-    const int64_t M = a.size(1), K = a.size(2);
-    N = b.size(2);
+    const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
     check_bias(G, N);
     p.out = new_output({G, M, N}, opts);
     for (const auto g : c10::irange(G)) {
@@ -298,9 +292,7 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
   } else if (layout == "3d2d") {
     TORCH_CHECK(a.dim() == 3 && b.dim() == 2 && a.size(2) == b.size(0), "moe_cpu.grouped_mm: 3d2d shapes");
     TORCH_CHECK(bias == nullptr, "moe_cpu.grouped_mm: no bias for 3d2d");
-    G = a.size(0);
-    const int64_t M = a.size(1), K = a.size(2);
-    N = b.size(1);
+    const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = b.size(1);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const auto ends = read_offs(*offs, G, N);
     p.out = new_output({M, N}, opts);
