@@ -64,6 +64,31 @@ def compute(p: Problem, mat_a, mat_b, offs, bias):
     return _compute_sync_free(p, mat_a, mat_b, offs, bias)
 
 
+def _rows_apart_copied(x):
+    """x [..., m, k], or its contiguous copy where x is bf16 on CPU with rows further apart than k.
+
+    ATen's bf16 matmul on CPUs with AMX (oneDNN, torch 2.13) reads each row of its left operand
+    past k when the rows are further apart (measured on an Intel AMX VM, 2026-12-04: k = 3, 7,
+    33, 34, 257 read up to the next multiple of 8; k = 2, 6, 66, 130 did not): a NaN or inf
+    there (the next group's K indices in a weight gradient, the tokens past offs[-1]) makes the
+    group's product NaN, through the zeros the right operand is padded with. A finite value there
+    changes no bit. The copy costs m * k elements against the product's m * k * n multiply-adds.
+    """
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 2 and x.shape[-2] > 1 \
+            and x.stride(-1) == 1 and x.stride(-2) > x.shape[-1]:
+        return x.contiguous()
+    return x
+
+
+def _group_columns(a, sizes):
+    """mat_a's column slices of a 2Dx2D call (one per group, then the tail): views, or for bf16
+    on CPU contiguous copies, since their rows lie a's row apart (see _rows_apart_copied)."""
+    xs = a.split(sizes, dim=1)
+    if a.dtype == torch.bfloat16 and a.device.type == "cpu":
+        return [_rows_apart_copied(x) for x in xs]
+    return xs
+
+
 def _mm(p: Problem, x, y, bias_row=None):
     """x [..., m, k] @ y [..., k, n] accumulated in p.acc_dtype, bias added before the one cast."""
     if bias_row is None and p.out_dtype == p.dtype:
@@ -76,6 +101,7 @@ def _mm(p: Problem, x, y, bias_row=None):
 
 
 def _compute_loop(p: Problem, a, b, offs, bias):
+    a = _rows_apart_copied(a)  # a view of a wider tensor's columns (padded rows)
     if p.layout == LAYOUT_3D3D:
         out = _mm(p, a, b, None if bias is None else bias.unsqueeze(1))
         return out.contiguous()
@@ -89,7 +115,7 @@ def _compute_loop(p: Problem, a, b, offs, bias):
         out[ends[-1]:].zero_()
         pieces = zip(out.split(sizes), a.split(sizes), b.unbind(0))
     elif p.layout == LAYOUT_2D2D:
-        pieces = zip(out.unbind(0), a.split(sizes, dim=1), b.split(sizes, dim=0))
+        pieces = zip(out.unbind(0), _group_columns(a, sizes), b.split(sizes, dim=0))
     else:  # LAYOUT_3D2D
         out[:, ends[-1]:].zero_()
         pieces = zip(out.split(sizes, dim=1), a.unbind(0), b.split(sizes, dim=1))

@@ -18,9 +18,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LAYOUTS = ("2d3d", "2d2d", "3d3d", "3d2d")
 # How an operand is laid out in memory: contiguous, a transposed view of the other order (e.g.
 # mat_b given as a [G, N, K] tensor viewed as [G, K, N]), every other element of a larger one,
-# or broadcast: stride 0 in the leading dimension (one expert's weights expanded to all G, or one
-# row expanded to all rows).
-STRIDES = ("contiguous", "transposed", "strided", "broadcast")
+# broadcast: stride 0 in the leading dimension (one expert's weights expanded to all G, or one
+# row expanded to all rows), or padded: the first columns of a wider tensor whose other columns
+# hold NaN, so rows lie further apart than they are long (ATen's bf16 matmul on AMX CPUs read
+# such padding: moe_ops.reference._rows_apart_copied).
+STRIDES = ("contiguous", "transposed", "strided", "broadcast", "padded")
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,18 @@ class Case:
 
 
 def _operand(shape, dtype, stride, gen):
-    """A tensor of `shape` with values N(0, 1) rounded to dtype, laid out as `stride` says."""
+    """A tensor of `shape` with values N(0, 1) rounded to dtype, laid out as `stride` says (the
+    memory around a padded one's rows holds NaN)."""
     if stride == "transposed" and len(shape) >= 2:
         store = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=gen, dtype=torch.float64)
         return store.to(dtype).transpose(-1, -2)
     if stride == "strided":
         store = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen, dtype=torch.float64)
         return store.to(dtype)[..., ::2]
+    if stride == "padded":
+        store = torch.randn(*shape[:-1], shape[-1] + 5, generator=gen, dtype=torch.float64)
+        store[..., shape[-1]:] = float("nan")
+        return store.to(dtype)[..., : shape[-1]]
     if stride == "broadcast":
         store = torch.randn(1, *shape[1:], generator=gen, dtype=torch.float64)
         return store.to(dtype).expand(*shape)
@@ -114,6 +121,18 @@ def poison_outside_groups(case: Case, a, b, bias, offs):
         a[empty] = float("nan")
         b[:, last:] = float("-inf")
     return a, b, bias
+
+
+def poison_other_groups_2d2d(a, b, offs, g: int):
+    """Copies of a 2Dx2D problem's operands (mat_a [M, K], mat_b [K, N]) with inf in mat_a and
+    NaN in mat_b at every K index outside group g: the other groups' and those past offs[-1]."""
+    ends = [0] + [int(e) for e in offs]
+    outside = torch.ones(a.shape[1], dtype=torch.bool)
+    outside[ends[g]:max(ends[g], ends[g + 1])] = False
+    pa, pb = a.clone(), b.clone()
+    pa[:, outside] = float("inf")
+    pb[outside] = float("nan")
+    return pa, pb
 
 
 @st.composite
