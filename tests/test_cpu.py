@@ -44,7 +44,7 @@ import moe_ops
 from moe_ops import _contract, backends
 from moe_ops.testing import assert_close, reference_results
 from oracle import magnitude, oracle
-from strategies import Case, build, cases
+from strategies import Case, build, cases, poison_other_groups_2d2d
 
 cpu_backend = backends.module("cpu")
 pytestmark = pytest.mark.skipif(cpu_backend.status().mode is None,
@@ -571,6 +571,26 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
         if bias is not None:
             assert torch.ops.moe_cpu.mm_groups(_contract.layout_of(a, b), a, b, o, bias, out_dtype or a.dtype,
                                                ISA[isa]) == [], what
+
+
+@pytest.mark.parametrize("isa", machine_levels())
+def test_k_indices_next_to_a_weight_gradient_group_are_not_read(isa):
+    """A bf16 2Dx2D problem with groups of 257 and 3 K indices (and 4 past offs[-1]), inf / NaN
+    at every K index outside one group: that group's result keeps every bit. The 257 one has
+    2**28 multiply-adds, so ATen's mm takes it whole at the generic and AVX-512 levels (pinned),
+    and ATen's bf16 mm on AMX CPUs reads rows of A past K when they are further apart
+    (rows_for_mm in csrc/cpu/grouped_mm.cpp), which these levels meet in this test on such a
+    CPU; the others run our items, which read nothing past a group at any level."""
+    case = Case("2d2d", 2, 1024, 264, 1024, torch.bfloat16, (257, 260), torch.int32, "contiguous", "contiguous",
+                False, None, 3)
+    a, b, offs, _, _ = build(case)
+    whole = ISA[LEVELS[isa][0]] in (ISA["generic"], ISA["avx512"])
+    assert torch.ops.moe_cpu.mm_groups("2d2d", a, b, offs, None, torch.bfloat16, ISA[LEVELS[isa][0]]) == ([0] if whole else [])
+    want = run((a, b, offs, None, None), isa)
+    check_by_reference(want, a, b, offs, None, None, what=isa)
+    for g in range(case.G):
+        pa, pb = poison_other_groups_2d2d(a, b, offs, g)
+        assert torch.equal(run((pa, pb, offs, None, None), isa)[g], want[g]), f"{isa}: K indices next to group {g} were read"
 
 
 def test_a_bias_not_g_by_n_is_refused_before_it_is_read():

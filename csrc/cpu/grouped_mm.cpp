@@ -430,6 +430,20 @@ void run_avx2(Dt in, Dt out, const std::vector<Task>& tasks) {
       [&](int64_t i, void* ws) { avx2::run_item(in, out, tasks[items[i].task], items[i], ws); }, [](void*) {});
 }
 
+// A as ATen's mm should see it: in bf16, a contiguous copy where its rows are further apart than
+// its K. oneDNN's bf16 gemm with AMX (torch 2.13) reads each row of A past K when the rows are
+// further apart (measured on an Intel AMX VM, 2026-12-04: K = 3, 7, 33, 34, 257 read up to the
+// next multiple of 8; K = 2, 6, 66, 130 did not), and a NaN or inf there (the next group's K
+// indices in a weight gradient, the tokens past offs[-1]) makes the product NaN through the
+// zeros it pads B with; a finite value there changes no bit. ATen's bf16 mm serves the generic
+// level and large groups at the AVX-512 level: on a CPU whose best level that is, oneDNN has no
+// AMX, but the tests run both levels on AMX machines too. The copy is m * k elements against
+// m * k * n multiply-adds.
+Tensor rows_for_mm(const Tensor& a) {
+  const bool apart = a.scalar_type() == at::kBFloat16 && a.size(0) > 1 && a.stride(1) == 1 && a.stride(0) > a.size(1);
+  return apart ? a.contiguous() : a;
+}
+
 // The portable path: ATen's mm (MKL / oneDNN / ATen's blas) on each item's views, single-threaded
 // inside the parallel region.
 void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>& tasks) {
@@ -451,7 +465,7 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
         auto c = at::from_blob((char*)t.c + (it.m0 * t.c_sm + it.n0 * t.c_sn) * osz, {rows, cols}, {t.c_sm, t.c_sn},
                                at::TensorOptions().dtype(out));
         if (t.bias == nullptr && out == in) {
-          at::mm_out(c, a, b);  // ATen's CPU mm accumulates bf16/fp16 in fp32 and rounds once
+          at::mm_out(c, rows_for_mm(a), b);  // ATen's CPU mm accumulates bf16/fp16 in fp32 and rounds once
           return;
         }
         auto r = at::mm(a.to(acc), b.to(acc));
@@ -537,7 +551,7 @@ void run_big(at::ScalarType dtype, const Task& t) {
   auto a = at::from_blob(const_cast<void*>(t.a), {t.m, t.k}, {t.a_sm, t.a_sk}, opts);
   auto b = at::from_blob(const_cast<void*>(t.b), {t.k, t.n}, {t.b_sk, t.b_sn}, opts);
   auto c = at::from_blob(t.c, {t.m, t.n}, {t.c_sm, t.c_sn}, opts);
-  at::mm_out(c, a, b);
+  at::mm_out(c, rows_for_mm(a), b);
 }
 
 // An output of this size or more whose pages are mapped already (a block from the output cache)
