@@ -72,7 +72,9 @@ def _rows_apart_copied(x):
     33, 34, 257 read up to the next multiple of 8; k = 2, 6, 66, 130 did not): a NaN or inf
     there (the next group's K indices in a weight gradient, the tokens past offs[-1]) makes the
     group's product NaN, through the zeros the right operand is padded with. A finite value there
-    changes no bit. The copy costs m * k elements against the product's m * k * n multiply-adds.
+    changes no bit. This is oneDNN's issue uxlfoundation/oneDNN#5717 (its AMX brgemm loads A's
+    K tail past the row; a fix was merged as #5723 in 2026-08), still in torch 2.13's oneDNN.
+    The copy costs m * k elements against the product's m * k * n multiply-adds.
     """
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 2 and x.shape[-2] > 1 \
             and x.stride(-1) == 1 and x.stride(-2) > x.shape[-1]:

@@ -436,10 +436,11 @@ void run_avx2(Dt in, Dt out, const std::vector<Task>& tasks) {
 // further apart (measured on an Intel AMX VM, 2026-12-04: K = 3, 7, 33, 34, 257 read up to the
 // next multiple of 8; K = 2, 6, 66, 130 did not), and a NaN or inf there (the next group's K
 // indices in a weight gradient, the tokens past offs[-1]) makes the product NaN through the
-// zeros it pads B with; a finite value there changes no bit. ATen's bf16 mm serves the generic
-// level and large groups at the AVX-512 level: on a CPU whose best level that is, oneDNN has no
-// AMX, but the tests run both levels on AMX machines too. The copy is m * k elements against
-// m * k * n multiply-adds.
+// zeros it pads B with; a finite value there changes no bit (oneDNN's issue #5717, its AMX
+// brgemm's K tail; a fix was merged as #5723 in 2026-08, not in torch 2.13's oneDNN). ATen's bf16
+// mm serves the generic level and large groups at the AVX-512 level: on a CPU whose best level
+// that is, oneDNN has no AMX, but the tests run both levels on AMX machines too. The copy is
+// m * k elements against m * k * n multiply-adds.
 Tensor rows_for_mm(const Tensor& a) {
   const bool apart = a.scalar_type() == at::kBFloat16 && a.size(0) > 1 && a.stride(1) == 1 && a.stride(0) > a.size(1);
   return apart ? a.contiguous() : a;
