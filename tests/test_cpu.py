@@ -307,14 +307,8 @@ def test_groups_cut_into_items_bitwise_identical_for_any_thread_count(isa, dtype
     """Groups large enough that the thread count changes how they are cut into items (one 2Dx2D
     group of 90 rows, K = 482, N = 1: the generic level's items were 12 rows for 1 thread and 6
     for 2, and ATen's fp16 mm summed them in other orders; a 2Dx3D forward with groups of 1-300
-    rows), and a call of one item (1 x 256 x 1: the generic level ran it inline, where ATen's
-    fp32 mm took both threads and summed another way), all below the size that goes to ATen's mm
-    with all threads."""
+    rows), all below the size that goes to ATen's mm with all threads."""
     gen = torch.Generator().manual_seed(4)
-    a = torch.randn(1, 256, generator=gen).to(dtype)
-    b = torch.randn(1, 256, 1, generator=gen).to(dtype)
-    offs = torch.tensor([1], dtype=torch.int32)
-    check(run_any_threads((a, b, offs, None, None), isa), a, b, offs, None, None, what=f"{isa} one item")
     a = torch.randn(90, 482, generator=gen).to(dtype)
     b = torch.randn(482, 1, generator=gen).to(dtype)
     offs = torch.tensor([482], dtype=torch.int32)

@@ -355,14 +355,11 @@ std::vector<Item> make_items(const std::vector<Task>& tasks, int64_t threads, in
 // reads the weights of consecutive groups as one stream (the kernels prefetch across the end of
 // a group); a thread that is done takes the remaining items of the others, so one descheduled
 // thread (the machine here is shared) does not hold up the call.
-// in_region: a single item runs inside a parallel region too (of two threads, one idle) rather
-// than inline, where a BLAS called from the body would take every thread (see run_generic).
 template <typename Begin, typename Body, typename End>
-void run_items(const std::vector<double>& cost, const Begin& begin, const Body& body, const End& end,
-               bool in_region = false) {
+void run_items(const std::vector<double>& cost, const Begin& begin, const Body& body, const End& end) {
   const int64_t n = (int64_t)cost.size();
   if (n == 0) return;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), in_region ? std::max<int64_t>(n, 2) : n);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   struct alignas(64) Run {
     std::atomic<int64_t> next{0};
     int64_t end = 0;
@@ -463,10 +460,7 @@ int64_t generic_cut_threads() {
 }
 
 // The portable path: ATen's mm (MKL / oneDNN / ATen's blas) on each item's views, single-threaded
-// inside the parallel region, a call of one item included: MKL and oneDNN run sequentially
-// inside an OpenMP region, but a lone item ran inline, with all threads, and MKL sums another
-// way then (fp32, 1 x 256 x 1: 1 and 2 threads differed in the last bit, as ATen's own mm does;
-// found by the same fuzz, 2026-12-04).
+// inside the parallel region.
 void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>& tasks) {
   const auto items = make_items(
       tasks, generic_cut_threads(), 16, [](const Task&) { return int64_t{256}; }, [](const Task&) { return false; });
@@ -497,7 +491,7 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
         }
         c.copy_(r);
       },
-      [](int) {}, /*in_region=*/true);
+      [](int) {});
 }
 
 // Groups with at least this many multiply-adds go to ATen's mm with all threads, one after the
