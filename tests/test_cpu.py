@@ -302,25 +302,6 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("isa", machine_levels())
-def test_groups_cut_into_items_bitwise_identical_for_any_thread_count(isa, dtype):
-    """Groups large enough that the thread count changes how they are cut into items (one 2Dx2D
-    group of 90 rows, K = 482, N = 1: the generic level's items were 12 rows for 1 thread and 6
-    for 2, and ATen's fp16 mm summed them in other orders; a 2Dx3D forward with groups of 1-300
-    rows), all below the size that goes to ATen's mm with all threads."""
-    gen = torch.Generator().manual_seed(4)
-    a = torch.randn(90, 482, generator=gen).to(dtype)
-    b = torch.randn(482, 1, generator=gen).to(dtype)
-    offs = torch.tensor([482], dtype=torch.int32)
-    check(run_any_threads((a, b, offs, None, None), isa), a, b, offs, None, None, what=f"{isa} 2d2d")
-    a = torch.randn(700, 200, generator=gen).to(dtype)
-    b = torch.randn(4, 150, 200, generator=gen).to(dtype).transpose(1, 2)
-    offs = torch.tensor([1, 300, 420, 700], dtype=torch.int32)
-    assert torch.ops.moe_cpu.mm_groups("2d3d", a, b, offs, None, dtype, ISA[LEVELS[isa][0]]) == []
-    check(run_any_threads((a, b, offs, None, None), isa), a, b, offs, None, None, what=f"{isa} 2d3d")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("isa", machine_levels(("avx2", "avx512", "avx512_bf16", "amx")))
 def test_weight_gradient_x_transposed_is_packed_k_major(isa, dtype):
     """The weight gradient's x^T (column-major A) is packed k-major for items of 24+ rows: the

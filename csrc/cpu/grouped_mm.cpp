@@ -28,7 +28,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -446,24 +445,11 @@ Tensor rows_for_mm(const Tensor& a) {
   return apart ? a.contiguous() : a;
 }
 
-// The generic level cuts its items as for as many threads as the machine has CPUs, whatever the
-// thread count. Our kernels sum every output element in one order however a group is cut, but
-// ATen's mm may not for another item shape (measured on the Intel AMX VM, 2026-12-04: fp16, one
-// 2Dx2D group of 90 rows with K = 482, N = 1, cut into items of 12 rows for 1 thread and of 6
-// for 2, differed in the last bit), and the results must not depend on the thread count. Not a
-// fixed count: cut for 8 threads, the 2-core VM's generic level took 20-38% longer on G=64,
-// M=2048, K=N=512 in bf16 and fp16 (7.8 -> 10.8 ms, 10.0 -> 12.2 ms; smaller items, more oneDNN
-// calls), and a fixed 2 would leave most cores of a larger machine idle.
-int64_t generic_cut_threads() {
-  static const int64_t n = std::max<int64_t>(1, (int64_t)std::thread::hardware_concurrency());
-  return n;
-}
-
 // The portable path: ATen's mm (MKL / oneDNN / ATen's blas) on each item's views, single-threaded
 // inside the parallel region.
 void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>& tasks) {
   const auto items = make_items(
-      tasks, generic_cut_threads(), 16, [](const Task&) { return int64_t{256}; }, [](const Task&) { return false; });
+      tasks, at::get_num_threads(), 16, [](const Task&) { return int64_t{256}; }, [](const Task&) { return false; });
   const auto acc = in == at::kDouble ? at::kDouble : at::kFloat;
   const auto in_opts = at::TensorOptions().dtype(in);
   run_items(
