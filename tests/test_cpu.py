@@ -290,7 +290,13 @@ def test_bias_of_any_stride(isa, dtype):
         check(run((a3, b, None, bias, out_dtype), isa), a3, b, None, bias, out_dtype, what=f"3d3d {what}")
 
 
-@pytest.mark.parametrize("isa", machine_levels())
+# Our own kernel levels: every one sums each output element in one order however a call is cut
+# into items. The generic level runs ATen's mm on each item, whose result may depend on the
+# thread count (README, "Reproducibility").
+OWN_LEVELS = tuple(name for name in LEVELS if name != "generic")
+
+
+@pytest.mark.parametrize("isa", machine_levels(OWN_LEVELS))
 def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
     gen = torch.Generator().manual_seed(3)
     G, M, K, N = 600, 700, 40, 72
@@ -299,6 +305,27 @@ def test_many_tiny_groups_bitwise_identical_for_any_thread_count(isa):
     a = torch.randn(M, K, generator=gen).bfloat16()
     b = torch.randn(G, N, K, generator=gen).bfloat16().transpose(1, 2)
     check(run_any_threads((a, b, offs, None, None), isa), a, b, offs, None, None, what=isa)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("isa", machine_levels(OWN_LEVELS))
+def test_groups_cut_into_items_bitwise_identical_for_any_thread_count(isa, dtype):
+    """Calls that 1, 2 and 3 threads cut into different items, below the sizes that go to ATen's
+    mm with all threads: one 2Dx2D group of 90 rows, K = 482, N = 1 (12-row items for 1 thread,
+    6-row ones for 2), a forward with groups of 1 and 13 rows against 561 [G, N, K] columns, one
+    with groups of 1-300 rows, and a call of one 1 x 256 x 1 item; the cases a scratch fuzz found
+    at the generic level, where ATen's mm gave other bits for other thread counts."""
+    gen = torch.Generator().manual_seed(4)
+    calls = [(torch.randn(90, 482, generator=gen), torch.randn(482, 1, generator=gen), [482]),
+             (torch.randn(14, 334, generator=gen), torch.randn(2, 561, 334, generator=gen).transpose(1, 2), [1, 14]),
+             (torch.randn(700, 200, generator=gen), torch.randn(4, 150, 200, generator=gen).transpose(1, 2),
+              [1, 300, 420, 700]),
+             (torch.randn(1, 256, generator=gen), torch.randn(1, 256, 1, generator=gen), [1])]
+    for a, b, ends in calls:
+        a, b, offs = a.to(dtype), b.to(dtype), torch.tensor(ends, dtype=torch.int32)
+        layout = _contract.layout_of(a, b)
+        assert torch.ops.moe_cpu.mm_groups(layout, a, b, offs, None, dtype, ISA[LEVELS[isa][0]]) == [], layout
+        check(run_any_threads((a, b, offs, None, None), isa), a, b, offs, None, None, what=f"{isa} {layout} {ends}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
