@@ -83,9 +83,10 @@ def _rows_apart_copied(x):
 
 
 def _group_columns(a, sizes):
-    """mat_a's column slices of a 2Dx2D call (one per group, then the tail): views, or for bf16
-    on CPU contiguous copies, since their rows lie a's row apart (see _rows_apart_copied)."""
-    xs = a.split(sizes, dim=1)
+    """mat_a's column slices of a 2Dx2D call, one per group (sizes ends with the tail past
+    offs[-1], left out): views, or for bf16 on CPU contiguous copies, since their rows lie a's
+    row apart (see _rows_apart_copied)."""
+    xs = a.split(sizes, dim=1)[:-1]
     if a.dtype == torch.bfloat16 and a.device.type == "cpu":
         return [_rows_apart_copied(x) for x in xs]
     return xs
@@ -103,7 +104,8 @@ def _mm(p: Problem, x, y, bias_row=None):
 
 
 def _compute_loop(p: Problem, a, b, offs, bias):
-    a = _rows_apart_copied(a)  # a view of a wider tensor's columns (padded rows)
+    if p.layout != LAYOUT_2D2D:  # 2Dx2D copies its group columns instead (_group_columns)
+        a = _rows_apart_copied(a)  # a view of a wider tensor's columns (padded rows)
     if p.layout == LAYOUT_3D3D:
         out = _mm(p, a, b, None if bias is None else bias.unsqueeze(1))
         return out.contiguous()
