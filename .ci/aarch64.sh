@@ -2,8 +2,8 @@
 # Both C++ modules cross-compiled and linked for aarch64 Linux (Graviton, Grace, Ampere Altra)
 # against the aarch64 wheel of the torch installed here, and every symbol they import checked
 # against that wheel's libraries, the aarch64 C / C++ / OpenMP runtimes and Python's C API.
-# Nothing runs them on an aarch64 CPU here: this shows that they build and link there (the x86
-# kernels compile to nothing; such CPUs take the generic path, ATen's mm per item).
+# This shows that they build and link there (the x86 kernels compile to nothing; such CPUs take
+# the generic path, ATen's mm per item); .ci/aarch64_qemu.sh then runs them under emulation.
 # Exits 1 when a module does not compile or link or imports a symbol nothing provides, and 2
 # (with the reason) when the cross compiler or the wheel cannot be had.
 set -euo pipefail
@@ -29,8 +29,13 @@ if [ ! -f "$cache/.done" ]; then
 fi
 T="$cache/torch"
 wheel_version="$(python -c "import re, sys; print(re.search(r\"__version__ = '([^']+)'\", open(sys.argv[1]).read())[1])" "$T/version.py")"
-out="$(mktemp -d)"
-trap 'rm -rf "$out"' EXIT
+if [ -n "${MOE_OPS_AARCH64_OUT:-}" ]; then  # keep the modules there (.ci/aarch64_qemu.sh runs them)
+    out="$MOE_OPS_AARCH64_OUT"
+    mkdir -p "$out"
+else
+    out="$(mktemp -d)"
+    trap 'rm -rf "$out"' EXIT
+fi
 # The flags setup.py's two extensions get from torch.utils.cpp_extension, plus their own; the
 # Python headers are this machine's (an extension module does not link libpython).
 common=(-std=c++20 -fPIC -D_GLIBCXX_USE_CXX11_ABI=1 -DTORCH_API_INCLUDE_EXTENSION_H

@@ -144,6 +144,11 @@ def first_cpu_info() -> dict:
     return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
 
 
+def amd_cpu() -> bool:
+    """Whether this is an AMD x86-64 CPU (Arm CPUs' /proc/cpuinfo has no vendor_id)."""
+    return platform.machine() in ("x86_64", "AMD64") and first_cpu_info().get("vendor_id") == "AuthenticAMD"
+
+
 @needs_cpuinfo
 def test_bf16_scheme_follows_the_cpu_family_and_is_reported():
     """The swapped bf16 scheme in 256-bit lanes is the default exactly on AMD family 25 (0x19, Zen
@@ -177,7 +182,7 @@ def test_far_prefetch_follows_the_cpu_vendor_and_never_changes_results(dtype):
     exactly on AMD CPUs; forced on or off, the input and weight gradient layouts give the same
     bits (prefetches move no data into results). The groups (5, 195, 0 and 90 rows) reach both
     the window and the next-slab paths (counted once with a print in each: 48 and 346 times)."""
-    assert torch.ops.moe_cpu.far_prefetch() == (first_cpu_info()["vendor_id"] == "AuthenticAMD")
+    assert torch.ops.moe_cpu.far_prefetch() == amd_cpu()
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(300, 70, generator=gen).to(dtype)
     b = torch.randn(4, 70, 96, generator=gen).to(dtype)
@@ -579,7 +584,7 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
         isas = ["amx"]
     else:
         isas = ["avx512" if dtype == torch.bfloat16 and has_level("avx512") else "generic", "amx"]
-    amd = first_cpu_info()["vendor_id"] == "AuthenticAMD"
+    amd = amd_cpu()
     for isa, out_dtype in itertools.product(isas, [None, torch.float32] if dtype == torch.bfloat16 else [None]):
         what = f"{isa} {layout} {dtype} {out_dtype}"
         check_by_reference(run((a, b, o, None, out_dtype), isa), a, b, o, None, out_dtype, what=what)
