@@ -29,15 +29,17 @@ pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 Pygments==2.21.0
 hypothesis==6.170.27 sortedcontainers==2.4.0"
 DEBS="python3.11:arm64 libgomp1:arm64 libstdc++6:arm64"
 STAMP="$ENV_DIR/.moe_ops-pins"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$PINS $DEBS" ] && command -v qemu-aarch64 >/dev/null; then
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$PINS $DEBS" ] && command -v qemu-aarch64 >/dev/null \
+        && [ -f /usr/lib/binfmt.d/qemu-aarch64.conf ]; then
     echo "$ENV_DIR"
     exit 0
 fi
 fail() { echo "aarch64 environment: $*" >&2; exit 1; }
 [ "$(uname -m)" = x86_64 ] || fail "made for an x86-64 machine (this is $(uname -m))"
-if ! command -v qemu-aarch64 >/dev/null; then
-    { apt-get install -y -q qemu-user || { apt-get update -q && apt-get install -y -q qemu-user; }; } >/dev/null 2>&1 \
-        || fail "cannot install qemu-user (apt-get install qemu-user)"
+# qemu-user-binfmt: the rule (and its wrapper) that .ci/aarch64_qemu.sh registers with binfmt_misc.
+if ! command -v qemu-aarch64 >/dev/null || [ ! -f /usr/lib/binfmt.d/qemu-aarch64.conf ]; then
+    { apt-get install -y -q qemu-user qemu-user-binfmt || { apt-get update -q && apt-get install -y -q qemu-user qemu-user-binfmt; }; } \
+        >/dev/null 2>&1 || fail "cannot install qemu-user (apt-get install qemu-user qemu-user-binfmt)"
 fi
 if ! dpkg --print-foreign-architectures | grep -qx arm64; then
     { dpkg --add-architecture arm64 && apt-get update -q; } >/dev/null 2>&1 || fail "cannot add Debian's arm64 package lists"
