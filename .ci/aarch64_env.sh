@@ -61,7 +61,7 @@ PIP_NO_CACHE_DIR=1 python -m pip download -q --no-deps --only-binary=:all: "${pl
     --implementation cp --abi cp311 -d "$ENV_DIR/wheels" $PINS 2>&1 | grep -v "^WARNING: Location" >&2 || true
 [ "$(ls "$ENV_DIR"/wheels/*.whl 2>/dev/null | wc -l)" -eq "$(echo $PINS | wc -w)" ] \
     || fail "could not download every wheel of: $PINS (have: $(ls "$ENV_DIR/wheels"))"
-# Unpacked side by side (the nvidia wheels are most of the 4 GB).
+# Unpacked side by side (the nvidia wheels are most of the 3.6 GB).
 pids=()
 for wheel in "$ENV_DIR"/wheels/*.whl; do python -m zipfile -e "$wheel" "$ENV_DIR/site" & pids+=($!); done
 for pid in "${pids[@]}"; do wait "$pid" || fail "cannot unpack a wheel"; done
