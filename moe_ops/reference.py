@@ -82,6 +82,33 @@ def _rows_apart_copied(x):
     return x
 
 
+def _unit_stride_vectors(p: Problem, a, b, sizes):
+    """(a, b), with copies where a CPU product of the loop would be a 16-bit vector strided along
+    its length: a one-row product whose row of a is not contiguous, or a one-column one whose
+    column of b is not.
+
+    torch 2.9.1's CPU mm in bf16 and fp16 (its oneDNN path; with torch.backends.mkldnn off it
+    is right) returns wrong values for such vectors: errors of 30-150 on sums of 301-1024
+    products (measured on an Intel AMX VM, 2026-12-05, and in bf16 on an AMD Zen 4 VM; torch
+    2.13.0 and 2.14.1 are right on the same cases, and so are its bmm and 3-D matmul; the
+    property suite's named case "one-row groups, mat_a transposed" fails there without this). A 2Dx3D one-row group of a transposed mat_a
+    is one, a 3Dx2D one-column group another. The loop's outputs are contiguous, so no product
+    writes such a vector. Each copy is of one operand, against the multiply-adds of all the
+    products that read it (a 1/N or 1/M share of them, G/M or G/N where G vectors are copied).
+    """
+    if a.device.type != "cpu" or p.dtype not in (torch.bfloat16, torch.float16) or p.layout == LAYOUT_3D3D:
+        return a, b
+    groups = sizes[:-1]
+    one_row = 1 in groups if p.layout == LAYOUT_2D3D else a.shape[-2] == 1
+    one_col = 1 in groups if p.layout == LAYOUT_3D2D else b.shape[-1] == 1
+    if one_row and a.stride(-1) != 1:
+        a = a.contiguous()
+    k_dim = 0 if b.dim() == 2 else 1  # b's contraction dimension
+    if one_col and b.stride(k_dim) != 1:
+        b = b.transpose(k_dim, -1).contiguous().transpose(k_dim, -1)
+    return a, b
+
+
 def _group_columns(a, sizes):
     """mat_a's column slices of a 2Dx2D call, one per group (sizes ends with the tail past
     offs[-1], left out): views, or for bf16 on CPU contiguous copies, since their rows lie a's
@@ -114,6 +141,7 @@ def _compute_loop(p: Problem, a, b, offs, bias):
     # per group into a zeroed output.
     ends = offs.tolist()
     sizes = [e - s for s, e in zip([0] + ends[:-1], ends)] + [p.extent - ends[-1]]
+    a, b = _unit_stride_vectors(p, a, b, sizes)
     out = a.new_empty(p.out_shape, dtype=p.out_dtype)
     if p.layout == LAYOUT_2D3D:
         out[ends[-1]:].zero_()

@@ -611,7 +611,7 @@ def test_k_indices_next_to_a_weight_gradient_group_are_not_read(isa):
     at every K index outside one group: that group's result keeps every bit. The 257 one has
     2**28 multiply-adds, so ATen's mm takes it whole at the generic and AVX-512 levels (pinned),
     and ATen's bf16 mm on AMX CPUs reads rows of A past K when they are further apart
-    (rows_for_mm in csrc/cpu/grouped_mm.cpp), which these levels meet in this test on such a
+    (mm_into in csrc/cpu/grouped_mm.cpp), which these levels meet in this test on such a
     CPU; the others run our items, which read nothing past a group at any level."""
     case = Case("2d2d", 2, 1024, 264, 1024, torch.bfloat16, (257, 260), torch.int32, "contiguous", "contiguous",
                 False, None, 3)

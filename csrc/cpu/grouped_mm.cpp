@@ -430,19 +430,40 @@ void run_avx2(Dt in, Dt out, const std::vector<Task>& tasks) {
       [&](int64_t i, void* ws) { avx2::run_item(in, out, tasks[items[i].task], items[i], ws); }, [](void*) {});
 }
 
-// A as ATen's mm should see it: in bf16, a contiguous copy where its rows are further apart than
-// its K. oneDNN's bf16 gemm with AMX (torch 2.13) reads each row of A past K when the rows are
-// further apart (measured on an Intel AMX VM, 2026-12-04: K = 3, 7, 33, 34, 257 read up to the
-// next multiple of 8; K = 2, 6, 66, 130 did not), and a NaN or inf there (the next group's K
-// indices in a weight gradient, the tokens past offs[-1]) makes the product NaN through the
-// zeros it pads B with; a finite value there changes no bit (oneDNN's issue #5717, its AMX
-// brgemm's K tail; a fix was merged as #5723 in 2026-08, not in torch 2.13's oneDNN). ATen's bf16
-// mm serves the generic level and large groups at the AVX-512 level: on a CPU whose best level
-// that is, oneDNN has no AMX, but the tests run both levels on AMX machines too. The copy is
-// m * k elements against m * k * n multiply-adds.
-Tensor rows_for_mm(const Tensor& a) {
-  const bool apart = a.scalar_type() == at::kBFloat16 && a.size(0) > 1 && a.stride(1) == 1 && a.stride(0) > a.size(1);
-  return apart ? a.contiguous() : a;
+// c = a @ b through ATen's mm, with the operands as that mm must see them to be right.
+// * In bf16, A is a contiguous copy where its rows are further apart than its K. oneDNN's bf16
+//   gemm with AMX (torch 2.13) reads each row of A past K when the rows are further apart
+//   (measured on an Intel AMX VM, 2026-12-04: K = 3, 7, 33, 34, 257 read up to the next
+//   multiple of 8; K = 2, 6, 66, 130 did not), and a NaN or inf there (the next group's K
+//   indices in a weight gradient, the tokens past offs[-1]) makes the product NaN through the
+//   zeros it pads B with; a finite value there changes no bit (oneDNN's issue #5717, its AMX
+//   brgemm's K tail; a fix was merged as #5723 in 2026-08, not in torch 2.13's oneDNN). The copy
+//   is m * k elements against m * k * n multiply-adds.
+// * In bf16 and fp16, no vector with a stride other than 1 along it: one row of A (or of C), or
+//   one column of B (or of C). torch 2.9.1's CPU mm (its oneDNN path; with
+//   torch.backends.mkldnn off it is right) returns wrong values there, errors of 30-150 on
+//   products of magnitude ~20 (measured on an Intel AMX VM, 2026-12-05, k = 301 and 1024; a
+//   row of A 37 elements apart is the weight gradient's one-row item of a transposed mat_a;
+//   in bf16 on the AMD Zen 4 VM too, k = 37-1024). torch 2.13.0 and 2.14.1 are right on the
+//   same cases. Built against torch 2.9.1 without these copies, the generic level failed three
+//   tests of tests/test_cpu.py (the page-guard test and two 2Dx2D large-output ones); with
+//   them, none. The copies are k (A, B) or n (C) elements against k * n multiply-adds.
+// ATen's mm serves the generic level and large groups at the AVX-512 level: on a CPU whose best
+// level that is, oneDNN has no AMX, but the tests run both levels on AMX machines too.
+void mm_into(Tensor& c, const Tensor& a, const Tensor& b) {
+  const bool half = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
+  const bool rows_apart = a.scalar_type() == at::kBFloat16 && a.size(0) > 1 && a.stride(1) == 1 &&
+                          a.stride(0) > a.size(1);
+  const bool a_vec = half && a.size(0) == 1 && a.stride(1) != 1;
+  const bool b_vec = half && b.size(1) == 1 && b.stride(0) != 1;
+  const bool c_vec = half && ((c.size(0) == 1 && c.stride(1) != 1) || (c.size(1) == 1 && c.stride(0) != 1));
+  const Tensor a_mm = rows_apart || a_vec ? a.contiguous() : a;
+  const Tensor b_mm = b_vec ? b.contiguous() : b;
+  if (c_vec) {
+    c.copy_(at::mm(a_mm, b_mm));
+  } else {
+    at::mm_out(c, a_mm, b_mm);
+  }
 }
 
 // The portable path: ATen's mm (MKL / oneDNN / ATen's blas) on each item's views, single-threaded
@@ -466,7 +487,7 @@ void run_generic(at::ScalarType in, at::ScalarType out, const std::vector<Task>&
         auto c = at::from_blob((char*)t.c + (it.m0 * t.c_sm + it.n0 * t.c_sn) * osz, {rows, cols}, {t.c_sm, t.c_sn},
                                at::TensorOptions().dtype(out));
         if (t.bias == nullptr && out == in) {
-          at::mm_out(c, rows_for_mm(a), b);  // ATen's CPU mm accumulates bf16/fp16 in fp32 and rounds once
+          mm_into(c, a, b);  // ATen's CPU mm accumulates bf16/fp16 in fp32 and rounds once
           return;
         }
         auto r = at::mm(a.to(acc), b.to(acc));
@@ -552,7 +573,7 @@ void run_big(at::ScalarType dtype, const Task& t) {
   auto a = at::from_blob(const_cast<void*>(t.a), {t.m, t.k}, {t.a_sm, t.a_sk}, opts);
   auto b = at::from_blob(const_cast<void*>(t.b), {t.k, t.n}, {t.b_sk, t.b_sn}, opts);
   auto c = at::from_blob(t.c, {t.m, t.n}, {t.c_sm, t.c_sn}, opts);
-  at::mm_out(c, rows_for_mm(a), b);
+  mm_into(c, a, b);
 }
 
 // An output of this size or more whose pages are mapped already (a block from the output cache)
