@@ -61,7 +61,19 @@ PIP_NO_CACHE_DIR=1 python -m pip download -q --no-deps --only-binary=:all: "${pl
     --implementation cp --abi cp311 -d "$ENV_DIR/wheels" $PINS 2>&1 | grep -v "^WARNING: Location" >&2 || true
 [ "$(ls "$ENV_DIR"/wheels/*.whl 2>/dev/null | wc -l)" -eq "$(echo $PINS | wc -w)" ] \
     || fail "could not download every wheel of: $PINS (have: $(ls "$ENV_DIR/wheels"))"
-# Unpacked side by side (the nvidia wheels are most of the 3.6 GB).
+# Unpacked side by side (the nvidia wheels are most of the 3.6 GB), into directories made
+# beforehand: several wheels share directories (nvidia/cu13/include, ...), and zipfile makes a
+# missing one after checking that it is missing, so two unpackers racing for it failed with
+# FileExistsError (seen on a Zen 4 guest, 2026-12-06: three wheels, the stage skipped).
+python - "$ENV_DIR/site" "$ENV_DIR"/wheels/*.whl <<'EOF' || fail "cannot read the wheels' directories"
+import os, sys, zipfile
+site = sys.argv[1]
+for wheel in sys.argv[2:]:
+    for name in zipfile.ZipFile(wheel).namelist():
+        folder = name if name.endswith("/") else os.path.dirname(name)
+        if folder:
+            os.makedirs(os.path.join(site, folder), exist_ok=True)
+EOF
 pids=()
 for wheel in "$ENV_DIR"/wheels/*.whl; do python -m zipfile -e "$wheel" "$ENV_DIR/site" & pids+=($!); done
 for pid in "${pids[@]}"; do wait "$pid" || fail "cannot unpack a wheel"; done
