@@ -88,11 +88,12 @@ def _unit_stride_vectors(p: Problem, a, b, sizes):
     column of b is not.
 
     torch 2.9.1's CPU mm in bf16 and fp16 (its oneDNN path; with torch.backends.mkldnn off it
-    is right) returns wrong values for such vectors: errors of 30-150 on sums of 301-1024
-    products (measured on an Intel AMX VM, 2026-12-05, and in bf16 on an AMD Zen 4 VM; torch
-    2.13.0 and 2.14.1 are right on the same cases, and so are its bmm and 3-D matmul; the
-    property suite's named case "one-row groups, mat_a transposed" fails there without this). A 2Dx3D one-row group of a transposed mat_a
-    is one, a 3Dx2D one-column group another. The loop's outputs are contiguous, so no product
+    is right) returns wrong values for such vectors: errors of 30-150 on sums of 37-1024
+    products (measured on an Intel AMX VM, 2026-12-05, and in bf16 on an AMD Zen 4 VM,
+    2026-12-06; torch 2.13.0 and 2.14.1 are right on the same cases, and so are its bmm and 3-D
+    matmul; the property suite's named case "one-row groups, mat_a transposed" fails there
+    without this). A 2Dx3D one-row group of a transposed mat_a is one, a 3Dx2D one-column group
+    another. The loop's outputs are contiguous, so no product
     writes such a vector. Each copy is of one operand, against the multiply-adds of all the
     products that read it (a 1/N or 1/M share of them, G/M or G/N where G vectors are copied).
     """
