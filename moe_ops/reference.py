@@ -93,9 +93,9 @@ def _unit_stride_vectors(p: Problem, a, b, sizes):
     2026-12-06; torch 2.13.0 and 2.14.1 are right on the same cases, and so are its bmm and 3-D
     matmul; the property suite's named case "one-row groups, mat_a transposed" fails there
     without this). A 2Dx3D one-row group of a transposed mat_a is one, a 3Dx2D one-column group
-    another. The loop's outputs are contiguous, so no product
-    writes such a vector. Each copy is of one operand, against the multiply-adds of all the
-    products that read it (a 1/N or 1/M share of them, G/M or G/N where G vectors are copied).
+    another. The loop's outputs are contiguous, so no product writes such a vector. Each copy
+    is of one operand, against the multiply-adds of all the products that read it (a 1/N or
+    1/M share of them, G/M or G/N where G vectors are copied).
     """
     if a.device.type != "cpu" or p.dtype not in (torch.bfloat16, torch.float16) or p.layout == LAYOUT_3D3D:
         return a, b
