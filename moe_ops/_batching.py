@@ -17,13 +17,16 @@ batch folds into a dimension of the problem and the whole batch is one call of t
   group: for 2Dx3D and 3Dx2D its rows / columns are set to zero afterwards (selected, so
   whatever they computed is dropped); for 2Dx2D, whose trailing K indices would add into the
   next sample's first group, each sample gets one extra group that absorbs them and is dropped.
+  The tail is also zeroed in the batched operands that hold it (a masked copy: mat_a of 2Dx3D,
+  mat_b of 3Dx2D, both of 2Dx2D), so that whatever it holds, NaN included, reaches no gradient.
 * 2Dx3D with a batched offs (each sample routed on its own) and shared weights: the rows of
   all samples, sorted by group on the device, are one call with G groups, and the result is put
   back in the samples' order; with batched weights and shared rows, mat_a is repeated per
   sample and the blocks above apply.
 * anything else (a batched bias with only mat_a batched; a batched offs in the other layouts
-  with one matrix batched; only offs or bias batched): one call per batch element, as torch's
-  fallback does, without its warning. Folding there would copy the unbatched matrix B times
+  with one matrix batched; only offs or bias batched; offs batched by an outer transform, such
+  as jacrev inside a vmap over offs, where this level cannot read its values): one call per
+  batch element, as torch's fallback does, without its warning. Folding there would copy the unbatched matrix B times
   (expert weights, usually), which can cost more than the calls.
 
 Shapes and offs values are checked per sample (the messages name the sample's shapes), with
@@ -45,14 +48,15 @@ def _sample(t, dim):
     return t if t is None or dim is None else t.select(dim, 0)
 
 
-def _meta_sample(t, dim):
-    """A metadata-only stand-in for one sample of t, for a batch of size 0 (which has none)."""
-    if t is None:
-        return None
+def _empty_sample(t, dim):
+    """A stand-in for one sample of t, for a batch of size 0 (which has none): one element of t's
+    dtype on t's device, expanded to the sample's shape. Unbatched arguments are themselves, so
+    their devices and shared offs values are checked as in any call."""
+    if t is None or dim is None:
+        return t
     shape = list(t.shape)
-    if dim is not None:
-        del shape[dim]
-    return torch.empty(shape, dtype=t.dtype, device="meta")
+    del shape[dim]
+    return t.new_empty(()).expand(shape)
 
 
 def _major(t, dim, d):
@@ -63,6 +67,12 @@ def _major(t, dim, d):
 def _minor(t, dim, d):
     """t's batch merged into per-sample dimension d as its minor part: index i * B + s."""
     return t.movedim(dim, d + 1).flatten(d, d + 1)
+
+
+def _outer_level(offs) -> bool:
+    """Whether offs is still wrapped by a functorch transform outside this vmap level (vmap or
+    jacrev inside a vmap over offs): its values belong to that level and cannot be read here."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(offs)
 
 
 def _values_readable(offs) -> bool:
@@ -94,15 +104,14 @@ def _shifted(rows, extent):
     return (rows + starts[:, None]).flatten()
 
 
-def _zero_past(out, rows, dim):
-    """out (a new tensor, batch at 0), with the indices of dimension ``dim`` at or past each
-    sample's last group end rows[:, -1] set to zero, in place (selected: whatever they computed,
-    NaN included, is dropped)."""
-    index = torch.arange(out.shape[dim], device=out.device)
+def _past(t, rows, dim):
+    """A mask broadcastable to t (batch at 0): the indices of dimension ``dim`` at or past each
+    sample's last group end rows[:, -1]."""
+    index = torch.arange(t.shape[dim], device=t.device)
     past = index[None, :] >= rows[:, -1:]  # [B, extent]
-    shape = [1] * out.dim()
+    shape = [1] * t.dim()
     shape[0], shape[dim] = past.shape
-    return out.masked_fill_(past.view(shape), 0)
+    return past.view(shape)
 
 
 def _sorted_rows(mat_a, a_dim, mat_b, rows, bias, out_dtype, p):
@@ -144,10 +153,15 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         mat_a, mat_b, bias = (_contract.autocast_cast(t, dtype) for t in (mat_a, mat_b, bias))
-    one = _sample if batch > 0 else _meta_sample
+    one = _sample if batch > 0 else _empty_sample
     p = _contract.check_args(one(mat_a, a_dim), one(mat_b, b_dim), one(offs, offs_dim), one(bias, bias_dim), out_dtype)
     if batch == 0:
+        if offs is not None and offs_dim is None and not _outer_level(offs):
+            _offs_rows(offs, None, 1, p.extent)  # shared offs: checked as a call checks them
         return mat_a.new_zeros((0, *p.out_shape), dtype=p.out_dtype), 0
+    if offs is not None and _outer_level(offs) and _values_readable(offs):
+        # Calls per sample hand offs to the outer level's rule, which reads and checks them.
+        return _loop(op, batch, in_dims, (mat_a, mat_b, offs, bias), out_dtype)
     layout, G = p.layout, p.G
     a_b, b_b = a_dim is not None, b_dim is not None
     if layout == LAYOUT_2D3D and offs_dim is not None:
@@ -158,18 +172,26 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
 
     if a_b and b_b:
         rows = None if offs is None else _offs_rows(offs, offs_dim, batch, p.extent)
-        a = _major(mat_a, a_dim, 1 if layout == LAYOUT_2D2D else 0)
-        b = _major(mat_b, b_dim, 1 if layout == LAYOUT_3D2D else 0)
+        a, b = mat_a.movedim(a_dim, 0), mat_b.movedim(b_dim, 0)
+        # A sample's tail joins another group of the folded call: zeroed in the operands too
+        # (copies), or NaN there (uninitialised padding) gives 0 * NaN in the backward, a NaN
+        # in another sample's weight gradient or in the tail's own zero gradient.
+        if layout in (LAYOUT_2D3D, LAYOUT_2D2D):
+            a = a.masked_fill(_past(a, rows, 1 if layout == LAYOUT_2D3D else 2), 0)
+        if layout in (LAYOUT_3D2D, LAYOUT_2D2D):
+            b = b.masked_fill(_past(b, rows, 2 if layout == LAYOUT_3D2D else 1), 0)
+        a = _major(a, 0, 1 if layout == LAYOUT_2D2D else 0)
+        b = _major(b, 0, 1 if layout == LAYOUT_3D2D else 0)
         if bias is not None:
             bias = _major(bias, bias_dim, 0) if bias_dim is not None else bias.repeat(batch, 1)
         if layout == LAYOUT_2D3D:
             out = op(a, b, _shifted(rows, p.M), bias, out_dtype).unflatten(0, (batch, p.M))
-            return _zero_past(out, rows, 1), 0
+            return out.masked_fill_(_past(out, rows, 1), 0), 0
         if layout == LAYOUT_3D3D:
             return op(a, b, None, bias, out_dtype).unflatten(0, (batch, G)), 0
         if layout == LAYOUT_3D2D:
             out = op(a, b, _shifted(rows, p.N), None, out_dtype).unflatten(1, (batch, p.N)).movedim(1, 0)
-            return _zero_past(out, rows, 2), 0
+            return out.masked_fill_(_past(out, rows, 2), 0), 0
         # 2Dx2D: one extra group per sample, ending at the sample's end, absorbs its tail.
         ends = torch.full((batch, 1), p.K, dtype=torch.int64, device=rows.device)
         out = op(a, b, _shifted(torch.cat([rows, ends], 1), p.K), None, out_dtype)

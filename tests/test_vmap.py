@@ -155,11 +155,69 @@ def test_offs_values_are_checked_per_sample(layout):
 
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
 def test_empty_batch(layout):
+    """A batch of size 0: the result's shape, and the checks of a call (devices, shared offs)."""
     a, b, offs = _problem(layout, size=0)
     want = moe_ops.grouped_mm(torch.zeros(a.shape[1:], dtype=a.dtype), b, offs).shape
     assert vmap(lambda x: moe_ops.grouped_mm(x, b, offs))(a).shape == (0, *want)
     bs = b.expand(0, *b.shape)
     assert vmap(lambda x, y: moe_ops.grouped_mm(x, y, offs))(a, bs).shape == (0, *want)
+    with pytest.raises(ValueError, match="mat_b is on device meta but mat_a is on cpu"):
+        vmap(lambda x: moe_ops.grouped_mm(x, b.to("meta"), offs))(a)
+    with pytest.raises(ValueError, match="must be non-decreasing"):
+        vmap(lambda x: moe_ops.grouped_mm(x, b, offs.flip(0)))(a)
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
+def test_gradients_through_a_folded_batch_ignore_the_tails(layout):
+    """Both matrices batched (the rule lays the samples end to end, so a sample's tail meets the
+    next sample's groups) and NaN past offs[-1] in each: the gradients of plain autograd through
+    vmap are those of per-sample calls (finite, exact zeros in the tails), in one call each."""
+    a, b, offs = _problem(layout, size=2)
+    g = torch.Generator().manual_seed(1)
+    b = torch.stack([b, torch.randn(b.shape, generator=g, dtype=b.dtype)])
+    last = int(offs[-1])
+    if layout == "2d3d":
+        a[:, last:] = float("nan")
+    elif layout == "3d2d":
+        b[:, :, last:] = float("nan")
+    else:
+        a[:, :, last:] = float("nan")
+        b[:, last:] = float("inf")
+
+    def grads(f):
+        x, w = a.clone().requires_grad_(), b.clone().requires_grad_()
+        f(x, w).square().sum().backward()
+        return x.grad, w.grad
+
+    moe_ops.reset_kernel_counts()
+    got = grads(lambda x, w: vmap(lambda p, q: moe_ops.grouped_mm(p, q, offs))(x, w))
+    assert sum(moe_ops.kernel_counts().values()) == 3  # the forward and the two gradients
+    want = grads(lambda x, w: torch.stack([moe_ops.grouped_mm(x[s], w[s], offs) for s in range(2)]))
+    assert not want[0].isnan().any() and not want[1].isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_transforms_inside_a_vmap_over_offs():
+    """jacrev, jacfwd and vmap inside a vmap over per-sample offs: the inner level sees offs
+    still wrapped by the outer one (no values to read there) and calls per sample, leaving offs
+    to the outer level's rule; the same as a loop over the samples, and bad offs still raise."""
+    a, b, offs = _problem("2d3d")
+    rows = torch.stack([offs, torch.tensor([0, 6, 6]), torch.tensor([4, 9, 10])])
+    f = lambda x, o: moe_ops.grouped_mm(x, b, o)  # noqa: E731
+    for jac in (jacrev, jacfwd):
+        got = vmap(jac(f))(a, rows)
+        torch.testing.assert_close(got, torch.stack([jac(f)(a[s], rows[s]) for s in range(3)]), rtol=0, atol=0)
+    got = vmap(vmap(f, in_dims=(0, None)), in_dims=(None, 0))(a, rows)
+    torch.testing.assert_close(got, torch.stack([vmap(f, in_dims=(0, None))(a, o) for o in rows]), rtol=0, atol=0)
+    a3, b3, offs3 = _problem("3d2d")
+    rows3 = torch.stack([offs3, torch.tensor([1, 1, 5]), torch.tensor([2, 2, 2])])
+    h = lambda w, o: moe_ops.grouped_mm(a3[0], w, o)  # noqa: E731
+    got = vmap(jacrev(h), in_dims=(None, 0))(b3, rows3)
+    torch.testing.assert_close(got, torch.stack([jacrev(h)(b3, o) for o in rows3]), rtol=0, atol=0)
+    bad = rows.clone()
+    bad[1, 2] = 11
+    with pytest.raises(ValueError, match=r"offs\[2\] = 11 exceeds the extent 10"):
+        vmap(jacrev(f))(a, bad)
 
 
 def test_jacobians_and_per_sample_gradients_are_a_few_calls():
