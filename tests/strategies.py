@@ -40,6 +40,9 @@ class Case:
     bias: bool
     out_dtype: Optional[torch.dtype]
     seed: int
+    # offs as every other entry of a tensor twice as long (a view with stride 2), the entries
+    # between them the extent: a kernel reading offs with unit stride gets other groups.
+    strided_offs: bool = False
 
     @property
     def extent(self):
@@ -74,6 +77,10 @@ def build(case: Case):
     a = _operand(shape_a, case.dtype, case.stride_a, gen)
     b = _operand(shape_b, case.dtype, case.stride_b, gen)
     offs = None if case.offs is None else torch.tensor(case.offs, dtype=case.offs_dtype)
+    if offs is not None and case.strided_offs:
+        store = torch.full((2 * case.G,), case.extent, dtype=case.offs_dtype)
+        store[::2] = offs
+        offs = store[::2]
     bias = None
     if case.bias:
         bias = torch.randn(G, N, generator=gen, dtype=torch.float64).to(case.dtype)
@@ -170,6 +177,7 @@ def cases(draw, layouts=LAYOUTS, dtypes=DTYPES, max_m=64, max_k=48, max_n=48, ma
         offs_dtype=draw(st.sampled_from((torch.int32, torch.int64))),
         stride_a=draw(st.sampled_from(STRIDES)), stride_b=draw(st.sampled_from(STRIDES)),
         bias=bias, out_dtype=out_dtype, seed=draw(st.integers(0, 2**31 - 1)),
+        strided_offs=offs is not None and draw(st.booleans()),
     )
 
 

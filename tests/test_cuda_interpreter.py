@@ -127,6 +127,21 @@ def test_unsanitized_offs_are_clamped_inside_the_kernels(layout):
     _check(_run(a, b, garbage), a, b, sanitized, what=f"{layout} with unsanitized offs")
 
 
+@pytest.mark.parametrize("layout", ["2d3d", "3d2d"])
+def test_offs_at_the_int64_extremes_are_clamped_inside_the_kernels(layout):
+    # -2^63 after a group end past the first row tile: end - start wrapped to a huge size and the
+    # tile count to a negative int32, so the later groups' tiles were never computed (NaN here).
+    garbage = torch.tensor([20, -(1 << 63), 30, (1 << 63) - 1], dtype=torch.int64)
+    dt = torch.float32
+    if layout == "2d3d":
+        a, b = _randn(40, 24, dtype=dt, seed=36), _randn(4, 24, 20, dtype=dt, seed=37)
+    else:
+        a, b = _randn(4, 20, 24, dtype=dt, seed=38), _randn(24, 40, dtype=dt, seed=39)
+    sanitized = _contract.sanitize_offs(garbage, 40)
+    assert sanitized.tolist() == [20, 20, 30, 40]
+    _check(_run(a, b, garbage), a, b, sanitized, what=f"{layout} with offs at the int64 extremes")
+
+
 def test_3d3d_strided_operands_with_bias():
     a = _randn(3, 20, 64, dtype=torch.float32, seed=12)[:, :, ::2]  # [3, 20, 32], K stride 2
     b = _randn(3, 24, 32, dtype=torch.float32, seed=13).transpose(1, 2)  # [3, 32, 24]
@@ -239,7 +254,8 @@ def test_bf16_dot_upcast_flag_is_what_makes_the_interpreter_right():
 
 
 def test_64bit_element_offsets(tmp_path):
-    """Operands whose element offsets pass 2^31 (row / group strides of ~2^31 - 2^20 elements).
+    """Operands whose element offsets pass 2^31 (row / group strides of ~2^31 - 2^20 elements,
+    and a K stride that the K loop's step multiplies past 2^31).
 
     They live in a sparse memory-mapped file: 16 GiB of address space, a few KiB of pages
     touched. 32-bit offset arithmetic would wrap to offsets ~2^32 elements too low; the views
@@ -274,7 +290,14 @@ def test_64bit_element_offsets(tmp_path):
     b2.copy_(_randn(K2, N, dtype=dtype, seed=24))
     offs2 = torch.tensor([1, 1, 4])
     _check(_run(a2, b2, offs2, programs=1), a2.clone(), b2.clone(), offs2, what="64-bit offsets 2d2d")
-    del a, b, a2, b2, base, storage
+    # 2d3d with mat_a's K indices 2^27 elements apart: the K loop's pointer step, BK = 16 times
+    # the stride, is 2^31 elements (an int32 product wrapped to -2^31 and read zero pages).
+    K3 = 32
+    a3 = base.as_strided((M, K3), (1, 2**27), start + 24576)
+    a3.copy_(_randn(M, K3, dtype=dtype, seed=25))
+    b3 = _randn(G, K3, N, dtype=dtype, seed=26)
+    _check(_run(a3, b3, offs, programs=1), a3.clone(), b3, offs, what="64-bit K step 2d3d")
+    del a, b, a2, b2, a3, base, storage
 
 
 def test_fp32_precision_is_ieee_unless_opted_in(monkeypatch):

@@ -139,7 +139,8 @@ def test_non_finite_values_stay_in_their_group(impl):
 
 
 def test_invalid_offs_are_clamped_like_on_accelerators(impl):
-    """check_offs=False: no error, the result for cummax(clamp(offs, 0, extent))."""
+    """check_offs=False: no error, the result for cummax(clamp(offs, 0, extent)), also with
+    entries at the extremes of offs' dtype."""
     ragged = tuple(lay for lay in impl.layouts if lay != "3d3d")
     if not ragged:
         pytest.skip(f"{impl.name} serves no layout with offs")
@@ -148,7 +149,10 @@ def test_invalid_offs_are_clamped_like_on_accelerators(impl):
     @given(case=cases(layouts=ragged, dtypes=impl.dtypes, max_g=6, allow_big_g=False), data=st.data())
     def run(case, data):
         extent = case.extent
-        garbage = data.draw(st.lists(st.integers(-3, extent + 3), min_size=case.G, max_size=case.G))
+        info = torch.iinfo(case.offs_dtype)
+        extremes = st.sampled_from((info.min, info.min + 1, info.max))
+        entry = st.one_of(st.integers(-3, extent + 3), extremes)
+        garbage = data.draw(st.lists(entry, min_size=case.G, max_size=case.G))
         check_case(impl, replace(case, offs=tuple(garbage)), check_offs=False)
 
     run()

@@ -112,7 +112,9 @@ def _rows_kernel(
         else:  # 3Dx3D: every group is rows [0, M) of its own batch
             start = tl.full((), 0, tl.int64)
             end = start + M
-        size = tl.maximum(end - start, 0)
+        # Not max(end - start, 0): an int64 offs entry near -2^63 makes that difference wrap to
+        # a huge positive size (and num_m negative), and every later group's tiles were skipped.
+        size = tl.maximum(end, start) - start
         num_m = ((size + BM - 1) // BM).to(tl.int32)
         group_tiles = num_m * num_n
         while tile < first + group_tiles:
@@ -231,8 +233,9 @@ def _k_loop(a_ptrs, b_ptrs, row_ok, col_ok, k_len, k_steps, s_ak, s_bk,
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC_DTYPE)
-        a_ptrs += BK * s_ak
-        b_ptrs += BK * s_bk
+        # In 64 bits: an int32 stride times BK wraps once the stride passes 2^31 / BK elements.
+        a_ptrs += BK * tl.cast(s_ak, tl.int64)
+        b_ptrs += BK * tl.cast(s_bk, tl.int64)
     return acc
 
 
@@ -585,7 +588,9 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
     Args:
         p: the ``Problem`` of ``moe_ops._contract.check_args``.
         mat_a, mat_b, offs, bias: as in ``moe_ops.grouped_mm``; CUDA tensors, or CPU tensors
-            with ``interpret=True``. Any strides: nothing is copied.
+            with ``interpret=True``. Any strides: the matrices are never copied; the kernels
+            read offs with unit stride, so a non-contiguous offs (a strided view, an expanded
+            one) is copied first (G elements).
         interpret: run the interpreted twin (CPU tensors) instead of the compiled kernels.
         config / programs: override the tile configuration / persistent grid size (tests).
         arch: compute capability as an int (e.g. 90) for the tile heuristic.
@@ -597,6 +602,8 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
         ``out``, or a new contiguous tensor of shape ``p.out_shape`` and dtype ``p.out_dtype``.
     """
     kernels = interpreted() if interpret else sys.modules[__name__]
+    if offs is not None:
+        offs = offs.contiguous()
     if out is None:
         out = torch.empty(p.out_shape, dtype=p.out_dtype, device=mat_a.device)
     elif tuple(out.shape) != tuple(p.out_shape) or out.dtype != p.out_dtype or not out.is_contiguous():
