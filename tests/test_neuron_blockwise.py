@@ -200,4 +200,10 @@ def test_choose_block_is_static_and_in_range():
         p = _contract.check_args(a, b, torch.empty(G, dtype=torch.int64, device="meta"))
         block = neuron_blockwise.choose_block(p)
         assert block == expected, (M, G, K, dtype, block)
-        assert block == 128 or (G - 1) * block <= M / 4  # at most a quarter of padding rows
+        blocks = -(-M // block) + G  # the schedule's static count (test_schedule_2d3d_covers_every_row_once)
+        assert block == 128 or blocks * block - M <= M / 4  # at most a quarter of padding rows
+    # One group: the padding is the last block's rounding and the block of rows past offs[-1].
+    for M, expected in [(130, 128), (1000, 128), (4000, 512), (100000, 1024)]:
+        a, b = torch.empty(M, 64, device="meta"), torch.empty(1, 64, 16, device="meta")
+        p = _contract.check_args(a, b, torch.empty(1, dtype=torch.int64, device="meta"))
+        assert neuron_blockwise.choose_block(p) == expected, (M, neuron_blockwise.choose_block(p))

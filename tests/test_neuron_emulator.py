@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moe_ops import _contract
-from moe_ops.backends import neuron, neuron_emulator as emu
+from moe_ops.backends import neuron, neuron_nki, neuron_emulator as emu
 from moe_ops.backends.neuron_nki import nl, nisa, use
 
 pytestmark = pytest.mark.backend_neuron
@@ -335,3 +335,20 @@ def test_forward_kernel_fits_sbuf_at_large_k_only_with_narrowed_panels():
     assert out.shape == (256, 512)
     with pytest.raises(emu.EmulatorError, match="sbuf over capacity"):
         neuron.run_on_emulator(p, a, b, offs, None, 256, n_panel=512)
+
+
+def test_weight_gradient_kernel_declines_more_blocks_than_its_flags_fit():
+    """The weight-gradient kernel keeps one fp32 restart flag per block in SBUF: 50000 groups
+    (as many blocks) overflow it, so the backend declines them (the op then computes them with the
+    reference on CPU, block-wise PyTorch on a device); 16384 blocks, the most it takes, ran on the
+    emulator by hand (K = 1, G = 16384: 33 s, right)."""
+    a, b = torch.randn(1, 1), torch.randn(1, 1)
+    offs = torch.ones(50000, dtype=torch.int64)
+    p = _contract.check_args(a, b, offs)
+    kernel, args, kwargs = neuron._kernel_call(p, a, b, offs, None)
+    with pytest.raises(emu.EmulatorError, match="sbuf"):
+        neuron_nki.run_on_emulator(kernel, args, kwargs)
+    with pytest.raises(NotImplementedError, match="50000 blocks .* too many for the NKI weight-gradient"):
+        neuron.run_on_emulator(p, a, b, offs, None)
+    for G, fits in ((16384, True), (16385, False)):
+        assert neuron.nki_fits(_contract.check_args(a, b, torch.ones(G, dtype=torch.int64))) is fits

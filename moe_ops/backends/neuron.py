@@ -95,12 +95,32 @@ def _itemsize(p: Problem) -> int:
     return torch.empty((), dtype=p.dtype).element_size()
 
 
+# SBUF per partition the weight-gradient kernel may spend on its per-block restart flags (one
+# fp32 per block, kept on chip for the whole call), beside the 64 KiB of gathered rows and the
+# 32 KiB of fp32 accumulators: up to 16384 blocks, e.g. G = 16000 groups or K = 2M tokens.
+WGRAD_FLAGS_SBUF_BUDGET = 64 * 1024
+
+
+def nki_unfit(p: Problem) -> str:
+    """Why the NKI kernels cannot take this problem, or "" when they can. The forward keeps a
+    block's transposed rows (K elements per partition per 128-row tile) within its SBUF budget,
+    so K x itemsize <= 64 KiB (K <= 32768 in bf16, 16384 in fp32). The weight gradient streams
+    its contraction dimension and tiles M and N in passes, but keeps one fp32 flag per block in
+    SBUF: ceil(K / block) + G - 1 blocks, at most 16384."""
+    if p.layout == LAYOUT_2D3D:
+        if p.K * _itemsize(p) > neuron_blockwise.ROWS_SBUF_BUDGET:
+            return f"K = {p.K} is too wide for the NKI forward kernel's SBUF budget"
+        return ""
+    blocks = -(-p.K // neuron_blockwise.choose_block(p)) + p.G - 1
+    if 4 * blocks > WGRAD_FLAGS_SBUF_BUDGET:
+        return (f"{blocks} blocks (K = {p.K}, G = {p.G}) are too many for the NKI weight-gradient "
+                f"kernel's SBUF budget (at most {WGRAD_FLAGS_SBUF_BUDGET // 4})")
+    return ""
+
+
 def nki_fits(p: Problem) -> bool:
-    """Whether the NKI kernels take this problem: the forward keeps a block's transposed rows
-    (K elements per partition per 128-row tile) within its SBUF budget, so K x itemsize <= 64 KiB
-    (K <= 32768 in bf16, 16384 in fp32). The weight gradient streams its contraction dimension
-    and tiles M and N in passes: any size."""
-    return p.layout != LAYOUT_2D3D or p.K * _itemsize(p) <= neuron_blockwise.ROWS_SBUF_BUDGET
+    """Whether the NKI kernels take this problem (see ``nki_unfit``)."""
+    return not nki_unfit(p)
 
 
 def panel_width(K: int, itemsize: int) -> int:
@@ -152,8 +172,9 @@ def run_on_emulator(p: Problem, a, b, offs, bias, block: Optional[int] = None, *
     Returns (result, instruction counts); counts are empty when no kernel was needed.
     """
     _check_served(p)
-    if not nki_fits(p):
-        raise NotImplementedError(f"K = {p.K} is too wide for the NKI forward kernel's SBUF budget")
+    why = nki_unfit(p)
+    if why:
+        raise NotImplementedError(why)
     call = _kernel_call(p, a, b, offs, bias, block)
     if call is None:
         return _by_shape(p, a), {}
@@ -164,8 +185,9 @@ def run_on_emulator(p: Problem, a, b, offs, bias, block: Optional[int] = None, *
 def run_on_simulator(p: Problem, a, b, offs, bias, block: Optional[int] = None, **static):
     """The same on AWS's nki.simulate (needs the real nki package); returns the result."""
     _check_served(p)
-    if not nki_fits(p):
-        raise NotImplementedError(f"K = {p.K} is too wide for the NKI forward kernel's SBUF budget")
+    why = nki_unfit(p)
+    if why:
+        raise NotImplementedError(why)
     call = _kernel_call(p, a, b, offs, bias, block)
     if call is None:
         return _by_shape(p, a)

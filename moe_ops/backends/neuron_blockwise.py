@@ -52,11 +52,13 @@ ROWS_SBUF_BUDGET = 64 * 1024
 def choose_block(p: Problem) -> int:
     """Rows per block for a problem (static: depends on shapes and dtype only).
 
-    Every one of the ceil(extent / block) + G - 1 blocks runs, whatever the routing, so the
-    FLOPs are (extent + (G - 1) x block) / extent times the grouped FLOPs. The rule: the largest
-    power of two in [128, 1024] that keeps that padding at most a quarter of the rows and whose
-    gathered rows fit the kernels' SBUF budget; 128 (the Tensor Engine's row tile) at least,
-    whatever it costs. Larger blocks reload each group's weights less often: a block does
+    Every one of the nb blocks runs, whatever the routing (ceil(extent / block) + G in 2D x 3D,
+    whose rows past offs[-1] take one more; ceil(extent / block) + G - 1 in 2D x 2D), so the
+    FLOPs are nb x block / extent times the grouped FLOPs. The rule: the largest power of two in
+    [128, 1024] whose padding, nb x block - extent rows, is at most a quarter of the extent and
+    whose gathered rows fit the kernels' SBUF budget; 128 (the Tensor Engine's row tile) at least,
+    whatever it costs. (Until 2026-12-06 the padding was taken as (G - 1) x block, without the
+    last block's rounding and the extra 2D x 3D block: G = 1 took 1024-row blocks for 130 rows.) Larger blocks reload each group's weights less often: a block does
     2 x block FLOPs per 2-byte weight it loads, and a Trainium2 NeuronCore needs ~230 bf16
     FLOPs per HBM byte to keep its Tensor Engine busy (~83 TFLOP/s over ~0.36 TB/s), so blocks
     below ~256 rows are bandwidth-bound on weights. Neither number was measured here.
@@ -69,8 +71,13 @@ def choose_block(p: Problem) -> int:
     else:
         width = min(p.M, WGRAD_M_PASS_TILES * 128) + min(p.N, WGRAD_N_PASS)
     itemsize = torch.empty((), dtype=p.dtype).element_size()
+    extra = p.G if p.layout == LAYOUT_2D3D else p.G - 1
+
+    def padding(b):
+        return (-(-extent // b) + extra) * b - extent
+
     block = MIN_BLOCK
-    while (block * 2 <= MAX_BLOCK and (p.G - 1) * block * 2 * 4 <= extent
+    while (block * 2 <= MAX_BLOCK and 4 * padding(block * 2) <= extent
            and (block * 2 // 128) * max(width, 1) * itemsize <= ROWS_SBUF_BUDGET):
         block *= 2
     return block
