@@ -16,11 +16,13 @@ MOE_OPS_REQUIRE_BACKENDS names "cuda" (as CI does), where the skip becomes a fai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,6 +120,24 @@ def test_disk_cache_serves_a_second_process(cache):
     assert info["seconds"] < 1.0, info
 
 
+def test_storing_a_variant_drops_only_its_own_older_builds(tmp_path):
+    """A new object file replaces older builds of its variant, never another variant's (the
+    no-bias variant's name is a prefix of the bias variant's)."""
+    class Exported:
+        def export_to_c(self, directory, name, function_prefix):
+            Path(directory, f"{name}.o").write_bytes(b"object")
+
+    plain = bw.KernelKey("sm_100a", "bf16", "bf16", 128, "n", False)
+    biased = dataclasses.replace(plain, bias=True)
+    assert biased.name.startswith(plain.name)
+    kept = [tmp_path / f"{biased.name}_{'1' * 12}.o", tmp_path / f"{plain.name}_extra_{'2' * 12}.o"]
+    for path in kept + [tmp_path / f"{plain.name}_{'3' * 12}.o"]:
+        path.write_bytes(b"object")
+    new = tmp_path / f"{plain.name}_{'4' * 12}.o"
+    bw._store(Exported(), plain, new)
+    assert sorted(tmp_path.glob("*.o")) == sorted(kept + [new])
+
+
 def test_cache_key_covers_every_variant_dimension():
     keys = {bw.KernelKey(a, d, o, n, m, b).name
             for a in bw.ARCHS for d in ("bf16", "fp16") for o in (d, "fp32")
@@ -196,6 +216,11 @@ def test_plan_3d3d_is_2d3d_over_stacked_rows():
                                  torch.randn(2, 16, 16, dtype=torch.bfloat16), _offs(8, 16))),
     ("mat_b no unit stride", lambda: (torch.randn(16, 16, dtype=torch.bfloat16),
                                       torch.randn(2, 16, 32, dtype=torch.bfloat16)[:, :, ::2], _offs(8, 16))),
+    ("mat_b broadcast", lambda: (torch.randn(16, 16, dtype=torch.bfloat16),
+                                 torch.randn(1, 16, 16, dtype=torch.bfloat16).expand(2, 16, 16), _offs(8, 16))),
+    # A row tile's bounds are int32 in the kernel: M within a tile of 2^31 (a broadcast view: no memory).
+    ("M near 2^31", lambda: (torch.zeros(1, 16, dtype=torch.bfloat16).expand(2**31 - 200, 16),
+                             torch.randn(2, 16, 16, dtype=torch.bfloat16), _offs(8, 2**31 - 200))),
 ])
 def test_plan_refuses_what_the_kernel_does_not_serve(why, make):
     a, b, offs = make()
@@ -232,13 +257,15 @@ def test_choose_tile_n():
 @pytest.mark.parametrize("b_major, bias", [("n", False), ("k", True)])
 def test_runtime_arguments_match_the_compiled_signature(b_major, bias):
     """What grouped_mm passes at run time has the dtypes, ranks and unit strides that the kernel
-    was compiled for (the DSL does not check this when a loaded kernel is called)."""
+    was compiled for (the DSL does not check this when a loaded kernel is called). The operands
+    require grad, as expert weights and a training forward's activations do (DLPack refuses
+    those unless detached)."""
     _needs_dsl()
-    a = torch.randn(200, 32, dtype=torch.bfloat16)
-    w = torch.randn(3, 32, 24, dtype=torch.bfloat16)
+    a = torch.randn(200, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(3, 32, 24, dtype=torch.bfloat16))
     if b_major == "k":
-        w = w.transpose(1, 2).contiguous().transpose(1, 2)
-    bias_t = torch.randn(3, 24, dtype=torch.bfloat16) if bias else None
+        w = torch.nn.Parameter(w.detach().transpose(1, 2).contiguous()).transpose(1, 2)
+    bias_t = torch.randn(3, 24, dtype=torch.bfloat16, requires_grad=True) if bias else None
     p = _plan(a, w, _offs(50, 50, 120), bias_t, torch.float32)
     out = torch.empty(p.M, p.N, dtype=torch.float32)
 

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from moe_ops import _contract
 from moe_ops.backends import cuda
 from moe_ops.backends.cuda import select
 
@@ -88,3 +89,16 @@ def test_python_m_moe_ops_reports_the_backend():
     out = subprocess.run([sys.executable, "-m", "moe_ops"], capture_output=True, text=True, check=True).stdout
     line = next(line for line in out.splitlines() if line.startswith("cuda "))
     assert cuda.status().mode in line
+
+
+def test_a_declined_blackwell_call_without_triton_goes_to_the_reference(monkeypatch):
+    """On a Blackwell GPU with the DSL but not triton, a call the Blackwell kernel declines must
+    reach the reference (NotImplementedError to kernel_entry), not fail importing triton."""
+    monkeypatch.setattr(cuda, "_capability", lambda device: (10, 0))
+    monkeypatch.setattr(cuda, "_toolchains", frozenset({"cutlass"}))
+    a, w = torch.randn(16, 16, dtype=torch.bfloat16), torch.randn(2, 16, 12, dtype=torch.bfloat16)  # N % 8: declined
+    offs = torch.tensor([8, 16], dtype=torch.int32)
+    p = _contract.check_args(a, w, offs)
+    assert select((10, 0), {"cutlass"}, p.dtype, p.layout).kernel == "blackwell"
+    with pytest.raises(NotImplementedError, match="cuda:blackwell does not serve this call .* triton is not installed"):
+        cuda._run(p, a, w, offs, None)

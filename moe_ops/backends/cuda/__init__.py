@@ -137,6 +137,9 @@ def _run(p, mat_a, mat_b, offs, bias) -> torch.Tensor:
             native_offs = None if offs is None else _contract.sanitize_offs(offs, p.extent)
             return importlib.import_module(f"{__name__}.{choice.kernel}").grouped_mm(p, mat_a, mat_b, native_offs, bias)
         except NotImplementedError as e:  # e.g. strides its TMA loads cannot take: Triton serves it
+            if "triton" not in _toolchains:  # then the reference does (kernel_entry)
+                raise NotImplementedError(f"cuda:{choice.kernel} does not serve this call ({e}) and triton "
+                                          f"is not installed ({TRITON_INSTALL_HINT})") from None
             if (choice.kernel, str(e)) not in _declined:
                 _declined.add((choice.kernel, str(e)))
                 log.info("moe_ops: cuda:%s does not serve this call (%s); using triton", choice.kernel, e)

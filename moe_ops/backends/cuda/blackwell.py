@@ -195,6 +195,12 @@ def _aligned(t: torch.Tensor, contiguous_dim: int) -> bool:
             and t.data_ptr() % _ALIGN == 0)
 
 
+# The kernel's scheduler computes row, column and K tile bounds in int32, adding up to a tile
+# less one to a size (g_end - g_start + 127, N + tile_n - 1, K + 63, a tile's last row), so every
+# size keeps a tile's headroom below 2^31 (without it, M = 2^31 - 50 wrote past the output).
+_MAX_DIM = 2**31 - 1 - 256
+
+
 def plan(p: Problem, mat_a, mat_b, bias, *, arch: str = "sm_100a", num_sms: int = 148) -> Plan:
     """Map a validated problem onto the kernel, or raise NotImplementedError saying why not.
 
@@ -213,9 +219,11 @@ def plan(p: Problem, mat_a, mat_b, bias, *, arch: str = "sm_100a", num_sms: int 
     M, K = a.shape
     G, _, N = mat_b.shape
     if K == 0:
-        raise NotImplementedError("K == 0 (the result is bias or zeros; the reference computes it)")
-    if max(M, N, K, G) >= 2**31:
-        raise NotImplementedError("a dimension >= 2^31 (tile coordinates are 32-bit)")
+        raise NotImplementedError("K == 0 (the result is bias or zeros; Triton computes it)")
+    if max(M, N, K, G) > _MAX_DIM:
+        raise NotImplementedError(f"a dimension > {_MAX_DIM} (the scheduler's tile arithmetic is 32-bit)")
+    if any(s == 0 and n > 1 for t in (a, mat_b) for s, n in zip(t.stride(), t.shape)):
+        raise NotImplementedError("a broadcast (stride 0) operand: TMA descriptors need real strides")
     if N % 8 or K % 8:
         raise NotImplementedError(f"N={N} and K={K} must be multiples of 8 (16-byte TMA strides and stores)")
     if not _aligned(a, 1):
@@ -338,8 +346,11 @@ def _store(function, key: KernelKey, path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         function.export_to_c(tmp, key.name, function_prefix=key.name)
         os.replace(os.path.join(tmp, f"{key.name}.o"), path)
+    # Only this variant's builds: "<name>_<12 hex digits>.o" (a bare "<name>_*.o" also matched
+    # the bias variant's "<name>_bias_<tag>.o" and deleted it).
+    build = re.compile(re.escape(key.name) + r"_[0-9a-f]{12}\.o")
     for old in path.parent.glob(f"{key.name}_*.o"):
-        if old != path:
+        if old != path and build.fullmatch(old.name):
             old.unlink(missing_ok=True)
 
 
@@ -414,15 +425,14 @@ def _runtime_args(pl: Plan, out2d: torch.Tensor, offs: torch.Tensor, grid: int, 
     import cutlass
     from cutlass.cute.runtime import from_dlpack
 
-    def t(x, leading):
-        return from_dlpack(x, assumed_align=_ALIGN).mark_layout_dynamic(leading_dim=leading)
+    # Detached: DLPack refuses a tensor that requires grad (BufferError), which an expert weight
+    # (an nn.Parameter) always does, even under no_grad. The kernel only reads the memory.
+    def t(x, leading, align=_ALIGN):
+        return from_dlpack(x.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=leading)
 
     b_leading = 2 if pl.key.b_major == "n" else 1
-    bias = None
-    if pl.bias is not None:
-        bias = from_dlpack(pl.bias, assumed_align=pl.bias.element_size()).mark_layout_dynamic(leading_dim=1)
-    return (t(pl.a, 1), t(pl.b, b_leading), t(out2d, 1),
-            from_dlpack(offs, assumed_align=4).mark_layout_dynamic(leading_dim=0),
+    bias = None if pl.bias is None else t(pl.bias, 1, pl.bias.element_size())
+    return (t(pl.a, 1), t(pl.b, b_leading), t(out2d, 1), t(offs, 0, 4),
             bias, cutlass.Int32(grid), cuda.CUstream(stream.cuda_stream))
 
 
@@ -651,8 +661,8 @@ def _kernel_class():
             thr_mma = tiled_mma.get_slice(0)
             pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
 
-            # Scheduler arithmetic in 32 bits (the host serves M, N, K, G < 2^31 only); addresses
-            # are computed from the 64-bit strides.
+            # Scheduler arithmetic in 32 bits (the host serves M, N, K, G <= _MAX_DIM only, so a
+            # size plus a tile stays below 2^31); addresses are computed from the 64-bit strides.
             M = Int32(mC.shape[0])
             N = Int32(mC.shape[1])
             G = Int32(offs.shape[0])
