@@ -39,9 +39,14 @@ def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     Returns:
         A new contiguous tensor: [M, N] (2Dx3D, 3Dx2D) or [G, M, N] (2Dx2D, 3Dx3D). Rows
         (2Dx3D) or columns (3Dx2D) past offs[-1] and the slices of empty 2Dx2D groups are zero.
+        Differentiable: where an input requires grad, the block formulation (built from
+        differentiable ops) computes it; the CPU loop writes into slices of its output (mm's
+        out=, copy_), which autograd cannot differentiate.
     """
     p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
     offs = _contract.prepare_offs(offs, p.extent)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (mat_a, mat_b, bias)):
+        return _compute_sync_free(p, mat_a, mat_b, offs, bias)
     return compute(p, mat_a, mat_b, offs, bias)
 
 
