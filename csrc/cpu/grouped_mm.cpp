@@ -6,8 +6,9 @@
 // file forms stays inside its tensor whatever the caller passes).
 //
 // Every group is one Task (C = A @ B + bias on strided views). Groups with at least 2^26
-// multiply-adds in fp32, or 2^28 in bf16 on CPUs without AMX (and out_dtype == input dtype, no
-// bias) go to ATen's mm with all threads, one after the other (see is_big). The others are
+// multiply-adds in fp32 (not on AMD CPUs above the generic level), or 2^28 in bf16 at the generic
+// and AVX-512 levels (and out_dtype == input dtype, no bias), go to ATen's mm with all threads,
+// one after the other (see whole_group_mm and is_big). The others are
 // cut into Items (row chunks of at most a few hundred rows for the FMA kernel, whole groups for
 // AMX) with enough column chunks that every thread gets work, and the threads of one
 // at::parallel_for region take items from a shared counter until none are left. So many small groups keep all cores busy with one trip through the thread pool per
@@ -394,11 +395,31 @@ std::vector<double> item_costs(const std::vector<Task>& tasks, const std::vector
 }
 
 // Per-thread scratch of at least `bytes`, 64-byte aligned, reused across calls (packed operands:
-// at most ~1 MiB for K <= 1024).
+// at most ~1 MiB for K <= 1024). Not zero-filled: the kernels write before they read. A weight
+// gradient over K tokens asks for ~256 bytes per token (K = 2^20: 256 MiB a thread), which
+// release_large_scratch hands back at the end of the call instead of keeping it for the
+// thread's life.
+struct Scratch {
+  std::unique_ptr<char[]> data;
+  int64_t size = 0;
+};
+thread_local Scratch tl_scratch;
+constexpr int64_t kScratchKeepBytes = int64_t(16) << 20;
+
 void* thread_scratch(int64_t bytes) {
-  thread_local std::vector<char> scratch;
-  if ((int64_t)scratch.size() < bytes + 64) scratch.resize(bytes + 64);
-  return reinterpret_cast<void*>(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
+  if (tl_scratch.size < bytes + 64) {
+    tl_scratch.data.reset();  // the old block first: never both at once
+    tl_scratch.data.reset(new char[bytes + 64]);
+    tl_scratch.size = bytes + 64;
+  }
+  return reinterpret_cast<void*>(((uintptr_t)tl_scratch.data.get() + 63) & ~(uintptr_t)63);
+}
+
+void release_large_scratch() {
+  if (tl_scratch.size > kScratchKeepBytes) {
+    tl_scratch.data.reset();
+    tl_scratch.size = 0;
+  }
 }
 
 void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
@@ -416,7 +437,10 @@ void run_x86(Isa isa, Dt in, Dt out, const std::vector<Task>& tasks) {
         return thread_scratch(ws_bytes);
       },
       [&](int64_t i, void* ws) { x86::run_item(isa, in, out, tasks[items[i].task], items[i], ws); },
-      [&](void*) { x86::thread_end(isa, in); });
+      [&](void*) {
+        x86::thread_end(isa, in);
+        release_large_scratch();
+      });
 }
 
 void run_avx2(Dt in, Dt out, const std::vector<Task>& tasks) {
@@ -427,7 +451,11 @@ void run_avx2(Dt in, Dt out, const std::vector<Task>& tasks) {
   for (const auto& t : tasks) ws_bytes = std::max(ws_bytes, avx2::workspace_bytes(in, t));
   run_items(
       item_costs(tasks, items), [&] { return thread_scratch(ws_bytes); },
-      [&](int64_t i, void* ws) { avx2::run_item(in, out, tasks[items[i].task], items[i], ws); }, [](void*) {});
+      [&](int64_t i, void* ws) { avx2::run_item(in, out, tasks[items[i].task], items[i], ws); },
+      [](void*) {
+        avx2::thread_end();
+        release_large_scratch();
+      });
 }
 
 // c = a @ b through ATen's mm, with the operands as that mm must see them to be right.

@@ -76,6 +76,7 @@ int64_t max_item_rows(Dt in, const Task& task);
 bool whole_row_items(Dt in, const Task& task);
 int64_t workspace_bytes(Dt in, const Task& task);
 void run_item(Dt in, Dt out, const Task& task, const Item& item, void* workspace);
+void thread_end();
 
 }  // namespace avx2
 }  // namespace moe_cpu

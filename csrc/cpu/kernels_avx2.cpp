@@ -758,6 +758,10 @@ bool whole_row_items(Dt in, const Task& task) { return in != Dt::f64 && gemv_kin
 
 int64_t workspace_bytes(Dt in, const Task& task) { return workspace(in, task.k); }
 
+// Non-temporal stores (Task::stream) are weakly ordered: fenced before the thread leaves the
+// parallel region, as the AVX-512 levels do, rather than left to the region's barrier.
+void thread_end() { _mm_sfence(); }
+
 void run_item(Dt in, Dt out, const Task& t, const Item& it, void* ws) {
   switch (in) {
     case Dt::f32: item<Dt::f32, Dt::f32>(t, it, ws); break;
