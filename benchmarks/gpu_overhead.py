@@ -43,6 +43,7 @@ import pstats
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,6 +152,13 @@ class _PythonMM(torch.autograd.Function):
         return grad @ w.t(), x.t() @ grad
 
 
+def _write(doc: dict, out: str) -> None:
+    """overhead.json, rewritten after every problem (a later failure keeps the earlier rows)."""
+    path = Path(out) / "overhead.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
@@ -169,78 +177,84 @@ def main(argv=None) -> int:
            "triton": __import__("triton").__version__, "problems": {},
            "moe_ops_env": moe_ops_env()}
     for name, (G, M, K, N) in {"tiny": (4, 128, 64, 64), "qwen3-30b-a3b@4096": (128, 4096, 2048, 768)}.items():
-        offs = torch.tensor(group_sizes(M, G), device="cuda").cumsum(0).to(torch.int32)
-        a = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        b = torch.randn(G, K, N, device="cuda").to(torch.bfloat16)
-        p = _contract.check_args(a, b, offs)
-        toolchains = cuda.toolchains()
-        pieces = {
-            "moe_ops.grouped_mm": lambda: moe_ops.grouped_mm(a, b, offs),
-            "torch.ops.moe.grouped_mm": lambda: torch.ops.moe.grouped_mm(a, b, offs),
-            "check_args": lambda: _contract.check_args(a, b, offs),
-            "select": lambda: cuda.select(cap, toolchains, p.dtype, p.layout),
-            "triton_kernels.grouped_mm": lambda: tk.grouped_mm(p, a, b, offs, None, arch=arch),
-            "torch._grouped_mm": lambda: torch._grouped_mm(a, b, offs=offs),
-        }
-        a_g, b_g = a.detach().requires_grad_(), b.detach().requires_grad_()
-        ones = torch.ones(M, N, device="cuda", dtype=torch.bfloat16)
-        # The backward's two calls, as the Autograd kernel makes them (2Dx3D forward).
-        pieces["input-gradient call"] = lambda: moe_ops.grouped_mm(ones, b.transpose(1, 2), offs)
-        pieces["weight-gradient call"] = lambda: moe_ops.grouped_mm(a.t(), ones, offs)
-        pieces["torch.cuda.device(...) enter and exit"] = lambda: _enter_and_exit(torch.cuda.device(a.device))
-        pieces["torch.empty of the output"] = lambda: torch.empty(M, N, device=a.device, dtype=a.dtype)
-        host_only = ("check_args", "select", "torch.cuda.device(...) enter and exit", "torch.empty of the output")
-        rows = doc["problems"][name] = {}
+        try:
+            offs = torch.tensor(group_sizes(M, G), device="cuda").cumsum(0).to(torch.int32)
+            a = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            b = torch.randn(G, K, N, device="cuda").to(torch.bfloat16)
+            p = _contract.check_args(a, b, offs)
+            toolchains = cuda.toolchains()
+            pieces = {
+                "moe_ops.grouped_mm": lambda: moe_ops.grouped_mm(a, b, offs),
+                "torch.ops.moe.grouped_mm": lambda: torch.ops.moe.grouped_mm(a, b, offs),
+                "check_args": lambda: _contract.check_args(a, b, offs),
+                "select": lambda: cuda.select(cap, toolchains, p.dtype, p.layout),
+                "triton_kernels.grouped_mm": lambda: tk.grouped_mm(p, a, b, offs, None, arch=arch),
+                "torch._grouped_mm": lambda: torch._grouped_mm(a, b, offs=offs),
+            }
+            a_g, b_g = a.detach().requires_grad_(), b.detach().requires_grad_()
+            ones = torch.ones(M, N, device="cuda", dtype=torch.bfloat16)
+            # The backward's two calls, as the Autograd kernel makes them (2Dx3D forward).
+            pieces["input-gradient call"] = lambda: moe_ops.grouped_mm(ones, b.transpose(1, 2), offs)
+            pieces["weight-gradient call"] = lambda: moe_ops.grouped_mm(a.t(), ones, offs)
+            pieces["torch.cuda.device(...) enter and exit"] = lambda: _enter_and_exit(torch.cuda.device(a.device))
+            pieces["torch.empty of the output"] = lambda: torch.empty(M, N, device=a.device, dtype=a.dtype)
+            host_only = ("check_args", "select", "torch.cuda.device(...) enter and exit", "torch.empty of the output")
+            rows = doc["problems"][name] = {}
 
-        def measure(k, fn):
-            rows[k] = per_call_us(fn)
-            rows[k]["host_us_while_gpu_busy"] = host_us_while_busy(fn)
-            if k not in host_only:
-                rows[k].update(gpu_us(fn), bench_ms=_time_ms(fn, torch.device("cuda"), budget_s=0.2))
+            def measure(k, fn):
+                rows[k] = per_call_us(fn)
+                rows[k]["host_us_while_gpu_busy"] = host_us_while_busy(fn)
+                if k not in host_only:
+                    rows[k].update(gpu_us(fn), bench_ms=_time_ms(fn, torch.device("cuda"), budget_s=0.2))
 
-        for k, fn in pieces.items():
-            measure(k, fn)
-        with variant("launch-cache"):
-            for k in ("triton_kernels.grouped_mm", "moe_ops.grouped_mm"):
-                measure(f"{k} (launch cache on)", pieces[k])
-
-        def fwd_bwd(fn, x=a_g, y=b_g, **kw):
-            return lambda: torch.autograd.grad(fn(x, y, **kw), (x, y), ones)
-
-        before = _op._Autograd.active
-        for kind in ("cpp", "python"):
-            try:
-                _op.use_autograd(kind)
-            except RuntimeError as e:
-                print(f"{name}: no {kind} Autograd kernel here ({e})", flush=True)
-                continue
-            workload = fwd_bwd(moe_ops.grouped_mm, offs=offs)
-            rows[f"fwd+bwd moe_ops ({kind} autograd)"] = per_call_us(workload, 50)
-            with _Inside([(tk, "grouped_mm"), (_contract, "check_args")]) as inside:
-                for _ in range(50):
-                    workload()
-                torch.cuda.synchronize()
-            rows[f"fwd+bwd moe_ops ({kind} autograd)"]["inside"] = inside.per_call(50)
+            for k, fn in pieces.items():
+                measure(k, fn)
             with variant("launch-cache"):
-                rows[f"fwd+bwd moe_ops ({kind} autograd, launch cache on)"] = per_call_us(workload, 50)
-        _op.use_autograd(before)
-        rows["fwd+bwd torch._grouped_mm"] = per_call_us(fwd_bwd(torch._grouped_mm, offs=offs), 50)
-        # Baselines for the engine: one dense product of the same rows, with C++ and Python nodes.
-        x_g = a.detach().requires_grad_()
-        w_g = b[0].detach().requires_grad_()
-        rows["fwd+bwd dense x @ w"] = per_call_us(fwd_bwd(torch.matmul, x_g, w_g), 50)
-        rows["fwd+bwd dense x @ w (Python autograd.Function)"] = per_call_us(fwd_bwd(_PythonMM.apply, x_g, w_g), 50)
-        for k, v in rows.items():
-            extra = f", gpu {v['gpu_us']:8.1f} us{'' if v['hidden'] else ' (host not hidden)'}, bench {v['bench_ms'] * 1e3:8.1f} us" if "gpu_us" in v else ""
-            busy = f", host while busy {v['host_us_while_gpu_busy']:8.1f} us" if "host_us_while_gpu_busy" in v else ""
-            print(f"{name:>20} {k:>46}: host {v['host_us']:8.1f} us, host+gpu {v['host_and_gpu_us']:8.1f} us{busy}{extra}",
-                  flush=True)
-            for where, t in v.get("inside", {}).items():
-                print(f"{'':>20} {'inside ' + where:>46}: {t['us_per_workload_call']:8.1f} us in "
-                      f"{t['calls_per_workload_call']:.0f} calls", flush=True)
-    path = Path(args.out) / "overhead.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1))
+                for k in ("triton_kernels.grouped_mm", "moe_ops.grouped_mm"):
+                    measure(f"{k} (launch cache on)", pieces[k])
+
+            def fwd_bwd(fn, x=a_g, y=b_g, **kw):
+                return lambda: torch.autograd.grad(fn(x, y, **kw), (x, y), ones)
+
+            before = _op._Autograd.active
+            for kind in ("cpp", "python"):
+                try:
+                    _op.use_autograd(kind)
+                except RuntimeError as e:
+                    print(f"{name}: no {kind} Autograd kernel here ({e})", flush=True)
+                    continue
+                workload = fwd_bwd(moe_ops.grouped_mm, offs=offs)
+                rows[f"fwd+bwd moe_ops ({kind} autograd)"] = per_call_us(workload, 50)
+                with _Inside([(tk, "grouped_mm"), (_contract, "check_args")]) as inside:
+                    for _ in range(50):
+                        workload()
+                    torch.cuda.synchronize()
+                rows[f"fwd+bwd moe_ops ({kind} autograd)"]["inside"] = inside.per_call(50)
+                with variant("launch-cache"):
+                    rows[f"fwd+bwd moe_ops ({kind} autograd, launch cache on)"] = per_call_us(workload, 50)
+            _op.use_autograd(before)
+            rows["fwd+bwd torch._grouped_mm"] = per_call_us(fwd_bwd(torch._grouped_mm, offs=offs), 50)
+            # Baselines for the engine: one dense product of the same rows, with C++ and Python nodes.
+            x_g = a.detach().requires_grad_()
+            w_g = b[0].detach().requires_grad_()
+            rows["fwd+bwd dense x @ w"] = per_call_us(fwd_bwd(torch.matmul, x_g, w_g), 50)
+            rows["fwd+bwd dense x @ w (Python autograd.Function)"] = per_call_us(fwd_bwd(_PythonMM.apply, x_g, w_g), 50)
+            for k, v in rows.items():
+                extra = f", gpu {v['gpu_us']:8.1f} us{'' if v['hidden'] else ' (host not hidden)'}, bench {v['bench_ms'] * 1e3:8.1f} us" if "gpu_us" in v else ""
+                busy = f", host while busy {v['host_us_while_gpu_busy']:8.1f} us" if "host_us_while_gpu_busy" in v else ""
+                print(f"{name:>20} {k:>46}: host {v['host_us']:8.1f} us, host+gpu {v['host_and_gpu_us']:8.1f} us{busy}{extra}",
+                      flush=True)
+                for where, t in v.get("inside", {}).items():
+                    print(f"{'':>20} {'inside ' + where:>46}: {t['us_per_workload_call']:8.1f} us in "
+                          f"{t['calls_per_workload_call']:.0f} calls", flush=True)
+        except Exception:  # a failure (e.g. in the never-run launch cache) costs this problem's
+            # remaining rows only: what was measured stays, with the traceback beside it
+            doc["problems"].setdefault(name, {})["error"] = traceback.format_exc()[-3000:]
+            print(f"{name}: {doc['problems'][name]['error']}", flush=True)
+        finally:
+            _write(doc, args.out)
+    if any("error" in rows for rows in doc["problems"].values()):
+        return 1  # the profile below is of the last problem's calls, which did not all run
     text = io.StringIO()
     # The last problem of the loop above: Qwen3 at 4096 rows.
     for title, fn in (("forward", pieces["moe_ops.grouped_mm"]), ("weight-gradient call", pieces["weight-gradient call"])):

@@ -88,12 +88,17 @@ def test_pytest_plugin_hook_sets_the_example_budget(gpu_check, monkeypatch):
     from hypothesis import settings
 
     monkeypatch.setenv("MOE_OPS_GPU_CHECK_EXAMPLES", "7")
+    # The settings in force before, restored exactly: this test runs inside gpu_check.py's own
+    # suite too, where loading "ci" here gave every later test 60 examples instead of its budget.
+    before = settings()
     try:
         gpu_check.pytest_configure(None)
         assert settings().max_examples == 7
         assert settings().derandomize == settings.get_profile("ci").derandomize
     finally:
-        settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+        settings.register_profile("before-gpu-check-test", before)
+        settings.load_profile("before-gpu-check-test")
+    assert settings().max_examples == before.max_examples
 
 
 def test_benchmark_code_path_runs_on_cpu_tensors(gpu_check):
@@ -107,6 +112,17 @@ def test_benchmark_code_path_runs_on_cpu_tensors(gpu_check):
     assert set(result["speedup_vs"]["loop_torch.mm"]) == {"forward", "backward"}
     assert result["group_sizes"]["min"] >= 0 and result["moe_ops_kernels"]
     json.dumps(result)
+
+
+def test_errors_in_chunks_and_the_deadline(gpu_check):
+    """The relative error is computed a chunk at a time (whole fp32 copies of DeepSeek-V3's weight
+    gradient do not fit on an 80 GB GPU), and past the deadline no implementation starts."""
+    x, ref = torch.randn(1000), torch.randn(1000)
+    whole = float((x - ref).abs().max() / ref.abs().max())
+    assert gpu_check._rel_err(x, ref, chunk=7) == pytest.approx(whole, rel=1e-6)
+    result = gpu_check.bench_case(dict(model="tiny", G=4, K=32, N=48, M=64), device="cpu", budget_s=0.01,
+                                  deadline=0.0)
+    assert all(e == {"error": "not run: the time budget was spent"} for e in result["impls"].values())
 
 
 def test_variants_are_timed_beside_the_default_and_restored(gpu_check, monkeypatch):
