@@ -195,6 +195,9 @@ def test_gradients_through_a_folded_batch_ignore_the_tails(layout):
     want = grads(lambda x, w: torch.stack([moe_ops.grouped_mm(x[s], w[s], offs) for s in range(2)]))
     assert not want[0].isnan().any() and not want[1].isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # torch.func.grad over the vmap, the weights' gradient only (mat_a does not require grad).
+    got_w = grad(lambda w: vmap(lambda p, q: moe_ops.grouped_mm(p, q, offs))(a, w).square().sum())(b)
+    torch.testing.assert_close(got_w, want[1], rtol=1e-12, atol=1e-12)
 
 
 def test_transforms_inside_a_vmap_over_offs():
