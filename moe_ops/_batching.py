@@ -27,8 +27,8 @@ batch folds into a dimension of the problem and the whole batch is one call of t
 * anything else (a batched bias with only mat_a batched; a batched offs in the other layouts
   with one matrix batched; only offs or bias batched; offs batched by an outer transform, such
   as jacrev inside a vmap over offs, where this level cannot read its values): one call per
-  batch element, as torch's fallback does, without its warning. Folding there would copy the unbatched matrix B times
-  (expert weights, usually), which can cost more than the calls.
+  batch element, as torch's fallback does, without its warning. Folding there would copy the
+  unbatched matrix B times (expert weights, usually), which can cost more than the calls.
 
 Shapes and offs values are checked per sample (the messages name the sample's shapes), with
 the op's rules: offs values validated on CPU and in checked mode, else clamped on the device as

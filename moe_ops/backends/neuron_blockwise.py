@@ -58,10 +58,11 @@ def choose_block(p: Problem) -> int:
     [128, 1024] whose padding, nb x block - extent rows, is at most a quarter of the extent and
     whose gathered rows fit the kernels' SBUF budget; 128 (the Tensor Engine's row tile) at least,
     whatever it costs. (Until 2026-12-06 the padding was taken as (G - 1) x block, without the
-    last block's rounding and the extra 2D x 3D block: G = 1 took 1024-row blocks for 130 rows.) Larger blocks reload each group's weights less often: a block does
-    2 x block FLOPs per 2-byte weight it loads, and a Trainium2 NeuronCore needs ~230 bf16
-    FLOPs per HBM byte to keep its Tensor Engine busy (~83 TFLOP/s over ~0.36 TB/s), so blocks
-    below ~256 rows are bandwidth-bound on weights. Neither number was measured here.
+    last block's rounding and the extra 2D x 3D block: G = 1 took 1024-row blocks for 130
+    rows.) Larger blocks reload each group's weights less often: a block does 2 x block FLOPs
+    per 2-byte weight it loads, and a Trainium2 NeuronCore needs ~230 bf16 FLOPs per HBM byte
+    to keep its Tensor Engine busy (~83 TFLOP/s over ~0.36 TB/s), so blocks below ~256 rows are
+    bandwidth-bound on weights. Neither number was measured here.
     """
     from .neuron_nki import WGRAD_M_PASS_TILES, WGRAD_N_PASS
 
