@@ -297,6 +297,18 @@ def variant(name: Optional[str]):
             tk.use_launch_cache(before)
 
 
+def _release_cache() -> Optional[str]:
+    """torch.cuda.empty_cache(), or why it failed: after an illegal address every CUDA call
+    raises, and the entry that caused it already says why."""
+    import torch
+
+    try:
+        torch.cuda.empty_cache()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"[:500]
+    return None
+
+
 def _rel_err(x, ref, chunk: int = 1 << 26) -> float:
     """max |x - ref| / max |ref|, in fp32 a chunk of elements at a time: DeepSeek-V3's weight
     gradient is 3.8e9 elements (7 GiB in bf16), and four whole fp32 copies of it did not fit
@@ -323,7 +335,6 @@ def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float 
     G, K, N, M = case["G"], case["K"], case["N"], case["M"]
     sizes = group_sizes(M, G, seed)
     ends = torch.tensor(sizes).cumsum(0)
-    bounds = list(zip([0] + ends.tolist()[:-1], ends.tolist()))
     offs = ends.to(device=dev, dtype=torch.int32)
     gen = torch.Generator(device=dev).manual_seed(seed)
     a = (torch.randn(M, K, device=dev, generator=gen) * K ** -0.5).to(dtype)
@@ -376,11 +387,8 @@ def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float 
                                 ref_out, ref_grads, dy, case, dev, budget_s)
         except Exception as e:  # one baseline failing (e.g. _grouped_mm on an older GPU) is data
             entry["error"] = f"{type(e).__name__}: {e}"[:500]
-        if dev.type == "cuda":
-            try:  # after an illegal address every CUDA call raises: the entry above says why
-                torch.cuda.empty_cache()
-            except Exception as e:
-                entry.setdefault("error", f"after the run: {type(e).__name__}: {e}"[:500])
+        if dev.type == "cuda" and (why := _release_cache()):
+            entry.setdefault("error", f"after the run: {why}")
         if name == "moe_ops":
             result["moe_ops_kernels"] = moe_ops.kernel_counts()
     ours = result["impls"]["moe_ops"]
@@ -490,10 +498,8 @@ def _checks(args, report, deadline: float, out_dir: Path) -> int:
                 results.append(bench_case(case, variants=args.variants, deadline=deadline - 10))
             except Exception:
                 results.append(dict(case, error=traceback.format_exc()[-2000:]))
-            try:  # raises after an illegal address, like every CUDA call: the case's entry says why
-                torch.cuda.empty_cache()
-            except Exception as e:
-                results[-1].setdefault("error_after", f"{type(e).__name__}: {e}"[:500])
+            if why := _release_cache():
+                results[-1].setdefault("error_after", why)
             report.data["goals"] = goals([r for r in results if "impls" in r])
             report.write()
     report.data["complete"] = True
