@@ -27,7 +27,9 @@ def grouped_mm(
     bias: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
-    """Grouped matrix multiply, a drop-in for ``torch._grouped_mm`` (same names and layouts).
+    """Grouped matrix multiply, a drop-in for ``torch._grouped_mm`` (same layouts and argument
+    order; named as in ``torch.nn.functional.grouped_mm``; README "Differences from
+    torch._grouped_mm").
 
     Layouts (G groups; offs[g] is the end of group g, offs[-1] of the previous group read as 0):
 

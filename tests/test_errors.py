@@ -3,17 +3,26 @@
 Each error is raised by moe_ops.grouped_mm on CPU tensors (the real kernel path), by the fake
 kernel under FakeTensorMode (what torch.compile sees), and by run_backend for every backend,
 because all three call the same checks in moe_ops/_contract.py.
+
+And the drop-in claim (README, "Differences from torch._grouped_mm"): every call that
+torch._grouped_mm accepts on CPU with at least one group and valid offs is accepted, with its
+shape and dtype and values within the tolerance rule; the documented exceptions (no groups,
+argument names) behave as documented.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_ops
 from moe_ops import _contract
-from moe_ops.testing import backend_names, run_backend
+from moe_ops.testing import assert_close, backend_names, run_backend
+from oracle import magnitude, oracle
+from strategies import Case, build, partitions
 
 f32, bf16 = torch.float32, torch.bfloat16
 
@@ -164,3 +173,75 @@ def test_sanitize_offs_is_identity_on_valid_and_clamps_invalid():
 def _re(fragment: str) -> str:
     import re
     return re.escape(fragment)
+
+
+@st.composite
+def _torch_accepted_cases(draw):
+    """Cases torch._grouped_mm's CPU path accepts: its dtypes (float32, bfloat16, float16),
+    int32 offs, no bias or out_dtype, unit-stride rows or columns 16 bytes apart (sizes of 8s),
+    G >= 1, offs ending at or below the extent (empty groups included)."""
+    layout = draw(st.sampled_from(("2d3d", "2d2d", "3d3d", "3d2d")))
+    G = draw(st.integers(1, 4))
+    M, K, N = (draw(st.sampled_from((8, 16, 24, 40))) for _ in range(3))
+    extent = {"2d3d": M, "2d2d": K, "3d2d": N, "3d3d": None}[layout]
+    return Case(
+        layout=layout, G=G, M=M, K=K, N=N,
+        dtype=draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16))),
+        offs=None if extent is None else draw(partitions(G, extent)), offs_dtype=torch.int32,
+        stride_a=draw(st.sampled_from(("contiguous", "transposed"))),
+        stride_b=draw(st.sampled_from(("contiguous", "transposed"))),
+        bias=False, out_dtype=None, seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _defined(out, case: Case, offs):
+    """The part of a result torch._grouped_mm defines: it leaves rows (2Dx3D) or columns (3Dx2D)
+    past offs[-1] uninitialised."""
+    if case.layout == "2d3d":
+        return out[: int(offs[-1])]
+    if case.layout == "3d2d":
+        return out[:, : int(offs[-1])]
+    return out
+
+
+@given(case=_torch_accepted_cases())
+def test_accepts_what_torch_grouped_mm_accepts(case):
+    """Shape and dtype equal torch._grouped_mm's; values within the tolerance rule, with
+    torch._grouped_mm's result as the plain computation in the inputs' precision."""
+    a, b, offs, _, _ = build(case)
+    want = torch._grouped_mm(a, b, offs)  # raises if the strategy drew a call it refuses
+    got = moe_ops.grouped_mm(a, b, offs)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert_close(_defined(got, case, offs), _defined(oracle(a, b, offs), case, offs),
+                 _defined(want, case, offs), _defined(magnitude(a, b, offs), case, offs),
+                 what=str(case))
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d3d", "3d2d"])
+def test_no_groups_is_refused_where_torch_grouped_mm_is_not(layout):
+    """G = 0: torch._grouped_mm returns a result (uninitialised memory for 2Dx3D and 3Dx2D);
+    this op raises, as README's "Differences from torch._grouped_mm" says. Shapes: mat_a
+    [8, 8] or [0, 8, 8], mat_b [0, 8, 8] or [8, 8], offs [0] int32 (None for 3Dx3D)."""
+    a = t(8, 8) if layout[0] == "2" else t(0, 8, 8)
+    b = t(0, 8, 8) if layout[2] == "3" else t(8, 8)
+    offs = None if layout == "3d3d" else i32()
+    torch._grouped_mm(a, b, offs)
+    with pytest.raises(ValueError, match="G must be at least 1"):
+        moe_ops.grouped_mm(a, b, offs)
+
+
+def test_argument_names_are_those_of_functional_grouped_mm():
+    """mat_a / mat_b as in torch.nn.functional.grouped_mm; offs, bias and out_dtype by keyword or
+    by position, as torch._grouped_mm takes them. Shapes: [8, 8] x [2, 8, 8], offs [2] int32."""
+    a, b, offs = t(8, 8), t(2, 8, 8), i32(3, 8)
+    # The keyword call torch.nn.functional.grouped_mm documents, and torch._grouped_mm's
+    # positional one (the same kernel: the functional one calls torch._grouped_mm).
+    functional = torch.nn.functional.grouped_mm(mat_a=a, mat_b=b, offs=offs)
+    assert torch.equal(functional, torch._grouped_mm(a, b, offs))
+    want = moe_ops.grouped_mm(a, b, offs, None, None)
+    got = moe_ops.grouped_mm(mat_a=a, mat_b=b, offs=offs, bias=None, out_dtype=None)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.ops.moe.grouped_mm(mat_a=a, mat_b=b, offs=offs), want)
+    torch._grouped_mm(input=a, mat2=b, offs=offs)  # its own keyword names, which differ
+    with pytest.raises(TypeError):
+        moe_ops.grouped_mm(input=a, mat2=b, offs=offs)
