@@ -196,8 +196,12 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
         if layout == LAYOUT_3D3D:
             return op(a, b, None, bias, out_dtype).unflatten(0, (batch, G)), 0
         if layout == LAYOUT_3D2D:
-            out = op(a, b, _shifted(rows, p.N), None, out_dtype).unflatten(1, (batch, p.N)).movedim(1, 0)
-            return out.masked_fill_(_past(out, rows, 2), 0), 0
+            # Masked in place before the batch moves to the front: an in-place op on the
+            # movedim view cannot be functionalized (torch.compile failed, "Cannot view").
+            out = op(a, b, _shifted(rows, p.N), None, out_dtype)
+            out = out.unflatten(1, (batch, p.N))  # [M, B, N]
+            out.masked_fill_(_past(out.movedim(1, 0), rows, 2).movedim(0, 1), 0)
+            return out.movedim(1, 0), 0
         # 2Dx2D: one extra group per sample, ending at the sample's end, absorbs its tail.
         ends = torch.full((batch, 1), p.K, dtype=torch.int64, device=rows.device)
         out = op(a, b, _shifted(torch.cat([rows, ends], 1), p.K), None, out_dtype)

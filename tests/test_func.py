@@ -8,7 +8,7 @@ Categories:
   against jacrev, hessian, vmap(grad) per-sample gradients, all against the same transforms of
   the independent oracle (tests/oracle.py, ATen ops only); the gradients under torch.func run on
   the op's own kernels; torch.func.functional_call through the example MoE layer; torch.compile
-  over grad and jvp;
+  over grad, jvp, per-sample gradients and jacfwd (dynamic shapes);
 * with the Python Autograd kernel, torch.func's differentiating transforms raise a clear error
   (an autograd.Function cannot take functorch's route from inside the dispatcher), and vmap
   without gradients still works. The batching rule itself: tests/test_vmap.py.
@@ -210,3 +210,41 @@ def test_compiled_func_grad_and_jvp(cpp_autograd):
     t = torch.randn_like(a)
     tangent = lambda f: lambda x, w: jvp(lambda y: f(y, w), (x,), (t,))[1]  # noqa: E731
     _close(torch.compile(tangent(op))(a, b), tangent(ref)(a, b))
+
+
+@pytest.mark.parametrize("layout", ["2d2d", "3d2d"])
+def test_compiled_per_sample_gradients(cpp_autograd, layout):
+    """torch.compile over vmap(grad) with mat_a and mat_b both per-sample: the backward's 3Dx2D
+    call is folded by the batching rule, whose tail zeroing failed to functionalize there (an
+    in-place op on a movedim view). 4 samples of float64 (mat_a, mat_b) of small_problem."""
+    torch._dynamo.reset()
+    (a, b), offs = small_problem(layout)
+    gen = torch.Generator().manual_seed(1)
+    batch_a = torch.randn(4, *a.shape, generator=gen, dtype=f64)
+    batch_b = torch.randn(4, *b.shape, generator=gen, dtype=f64)
+    op, ref = _fns(offs, False)
+    loss = lambda f: lambda x, w: f(x, w).sin().sum()  # noqa: E731
+    per_sample = vmap(grad(loss(op), argnums=(0, 1)))
+    got = torch.compile(per_sample, fullgraph=True, backend="aot_eager")(batch_a, batch_b)
+    want = [grad(loss(ref), argnums=(0, 1))(x, w) for x, w in zip(batch_a, batch_b)]
+    _close(got, tuple(torch.stack(w) for w in zip(*want)))
+
+
+@pytest.mark.parametrize("layout,bias", CASES)
+def test_compiled_jacfwd_with_dynamic_shapes(cpp_autograd, layout, bias):
+    """torch.compile(dynamic=True) over jacfwd (a vmap of jvp): the batched tangent came out of
+    the batching rule with its batch inside ([M, B, N]), so setting it on the contiguous output
+    went through _new_zeros_with_same_feature_meta, whose meta kernel fails on symbolic sizes
+    (it raised for every layout; torch.bmm's jacfwd compiles). float64, small_problem made
+    contiguous: for a non-contiguous input torch's own _make_dual fails the same way, bmm's too."""
+    torch._dynamo.reset()
+    args, offs = small_problem(layout, bias=bias)
+    args = tuple(t.contiguous() for t in args)
+    op, ref = _fns(offs, bias)
+    # One argnum at a time: jacfwd with argnums=(0, 1) under dynamic=True returns zeros in
+    # torch 2.13 even for x * y (a torch bug, not the op's).
+    for argnum in (0, 1):
+        compiled = torch.compile(jacfwd(op, argnums=argnum), fullgraph=True, backend="aot_eager",
+                                 dynamic=True)
+        got = compiled(*args)
+        _close(got, jacrev(ref, argnums=argnum)(*args))

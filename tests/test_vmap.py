@@ -289,3 +289,18 @@ def test_compiled_vmap():
     got = compiled(a, bs, rows)
     clamped = torch.cummax(rows.clamp(0, 10), 1).values
     torch.testing.assert_close(got, torch.stack([oracle(a[s], bs[s], clamped[s]) for s in range(3)]))
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
+def test_compiled_vmap_with_both_matrices_batched(layout):
+    """torch.compile over vmap with mat_a and mat_b both batched (ensembles; per-sample weight
+    gradients are such calls): the folded call's tail zeroing must survive functionalization.
+    For 3Dx2D it was an in-place masked_fill_ on a movedim view, which AOTAutograd could not
+    replay ("Cannot view a tensor ..."). mat_a [3, ...] and mat_b [3, ...] float64, shared offs
+    with an empty group and a tail past offs[-1]."""
+    torch._dynamo.reset()
+    a, b, offs = _problem(layout)
+    bs = torch.stack([b, 2 * b, -b])
+    f = vmap(lambda x, y: moe_ops.grouped_mm(x, y, offs))
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(a, bs)
+    torch.testing.assert_close(got, torch.stack([oracle(a[s], bs[s], offs) for s in range(3)]))

@@ -264,7 +264,16 @@ Tensor autograd_kernel(c10::DispatchKeySet ks, const Tensor& a, const Tensor& b,
   } else {
     return GroupedMM::apply(a, b, offs, bias, out_dtype, ks);
   }
-  if (tangents) out._set_fw_grad(tangent_of(a, b, offs, bias, out.scalar_type()), /*level=*/0, /*is_inplace_op=*/false);
+  if (tangents) {
+    Tensor tangent = tangent_of(a, b, offs, bias, out.scalar_type());
+    // A tangent batched by jacfwd's vmap comes out of the batching rule with its batch dimension
+    // inside (e.g. [M, B, N]), so its per-sample strides differ from the contiguous output's and
+    // _set_fw_grad copies it through _new_zeros_with_same_feature_meta, whose meta kernel fails
+    // on symbolic sizes (jacfwd under torch.compile(dynamic=True) raised). contiguous() moves the
+    // batch to the front (functorch's clone rule), which is the copy _set_fw_grad made anyway.
+    if (out.is_contiguous()) tangent = tangent.contiguous();
+    out._set_fw_grad(tangent, /*level=*/0, /*is_inplace_op=*/false);
+  }
   return out;
 }
 
