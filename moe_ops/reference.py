@@ -18,6 +18,7 @@ Two formulations compute the same function:
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 from . import _contract
 from ._contract import LAYOUT_2D2D, LAYOUT_2D3D, LAYOUT_3D2D, LAYOUT_3D3D, Problem
@@ -39,15 +40,26 @@ def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     Returns:
         A new contiguous tensor: [M, N] (2Dx3D, 3Dx2D) or [G, M, N] (2Dx2D, 3Dx3D). Rows
         (2Dx3D) or columns (3Dx2D) past offs[-1] and the slices of empty 2Dx2D groups are zero.
-        Differentiable: where an input requires grad, the block formulation (built from
-        differentiable ops) computes it; the CPU loop writes into slices of its output (mm's
-        out=, copy_), which autograd cannot differentiate.
+        Differentiable in reverse and forward mode: where an input requires grad or carries a
+        forward-mode tangent, the block formulation (built from differentiable ops) computes
+        it; the CPU loop writes into slices of its output (mm's out=, copy_), which autograd
+        cannot differentiate.
     """
     p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
     offs = _contract.prepare_offs(offs, p.extent)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (mat_a, mat_b, bias)):
+    if _differentiated(mat_a, mat_b, bias):
         return _compute_sync_free(p, mat_a, mat_b, offs, bias)
     return compute(p, mat_a, mat_b, offs, bias)
+
+
+def _differentiated(*tensors) -> bool:
+    """Whether autograd differentiates a call on these tensors: reverse mode (grad enabled and
+    one requires grad) or forward mode (one carries a tangent: dual tensors, torch.func.jvp).
+    mm's out= variant, which the CPU loop uses, has no forward derivative and raises."""
+    ts = [t for t in tensors if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return True
+    return _fwAD._current_level >= 0 and any(_fwAD.unpack_dual(t).tangent is not None for t in ts)
 
 
 def grouped_mm_sync_free(mat_a, mat_b, offs=None, bias=None, out_dtype=None):

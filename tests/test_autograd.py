@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import moe_ops
 from moe_ops import _op
@@ -64,6 +65,24 @@ def test_the_reference_called_directly_is_differentiable(layout, bias):
     grads = torch.autograd.grad(ref(*leaves).square().sum(), leaves)
     want = torch.autograd.grad(_fn(offs, bias)(*leaves).square().sum(), leaves)
     torch.testing.assert_close(grads, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout,bias", CASES)
+def test_the_reference_called_directly_has_forward_mode_ad(layout, bias):
+    """moe_ops.reference.grouped_mm on dual tensors that do not require grad (float64, the
+    small problems): the tangent is the op's. Its CPU loop multiplies with mm's out= variant,
+    which has no forward derivative (2d3d without bias and 2d2d raised NotImplementedError);
+    such calls take the block formulation, as calls that require grad do."""
+    args, offs = small_problem(layout, f64, bias)
+    tangents, _ = small_problem(layout, f64, bias, seed=1)
+
+    def tangent(f):
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(p, t) for p, t in zip(args, tangents)]
+            return fwAD.unpack_dual(f(duals[0], duals[1], offs, duals[2] if bias else None)).tangent
+
+    got, want = tangent(moe_ops.reference.grouped_mm), tangent(moe_ops.grouped_mm)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("layout,bias", [("2d3d", True), ("2d2d", False), ("3d2d", False)])

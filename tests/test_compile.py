@@ -165,6 +165,34 @@ def test_compiled_autograd(autograd_kernel):
     torch.testing.assert_close(w.grad, want[1])
 
 
+def test_compiled_autograd_with_forward_mode_tangents(autograd_kernel):
+    """Compiled autograd over a backward whose forward had a dual input that requires grad
+    (x [12, 8] with a tangent, w [3, 8, 8], float32): the eager gradients and the tangent,
+    with either Autograd kernel. The C++ one used to give such calls its hand-built node,
+    which has no compiled_args (NotImplementedError)."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 8, generator=gen, requires_grad=True)
+    w = torch.randn(3, 8, 8, generator=gen, requires_grad=True)
+    t = torch.randn(12, 8, generator=gen)
+    offs = torch.tensor([4, 4, 11])
+    want = torch.autograd.grad(moe_ops.grouped_mm(x, w, offs).sin().sum(), (x, w))
+    captures = counters["compiled_autograd"]["captures"]
+    # backend "eager": AOTAutograd would trace the dual tensors the backward reads, which it
+    # does not support (aten::copy has no forward derivative), whatever the op.
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+        with fwAD.dual_level():
+            out = moe_ops.grouped_mm(fwAD.make_dual(x, t), w, offs)
+            tangent = fwAD.unpack_dual(out).tangent
+            out.sin().sum().backward()
+    assert counters["compiled_autograd"]["captures"] == captures + 1  # the backward was traced
+    torch.testing.assert_close(tangent, moe_ops.grouped_mm(t, w.detach(), offs))
+    torch.testing.assert_close(x.grad, want[0])
+    torch.testing.assert_close(w.grad, want[1])
+
+
 def test_export_and_aot_inductor(cpu_kernel, tmp_path):
     """torch.export of the example MoE layer with a dynamic token count keeps the op (one node
     per call), and an AOTInductor package built from it calls the op's CPU kernel through the

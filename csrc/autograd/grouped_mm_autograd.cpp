@@ -150,11 +150,12 @@ struct GroupedMM : public torch::autograd::Function<GroupedMM> {
   }
 };
 
-// The same node built by hand, as ATen's generated Autograd kernels build theirs, for the two
-// cases a torch::autograd::Function refuses: torch.func transforms (functorch rejects C++
-// Functions, because it cannot see into their forward; this forward is only a redispatch below
-// Autograd, like ATen's) and inputs with forward-mode tangents (a C++ Function has no jvp; the
-// tangent is set by autograd_kernel). Edges: mat_a, mat_b, then bias if given.
+// The same node built by hand, as ATen's generated Autograd kernels build theirs, for the case
+// a torch::autograd::Function refuses: torch.func transforms (functorch rejects C++ Functions,
+// because it cannot see into their forward; this forward is only a redispatch below Autograd,
+// like ATen's). It has no compiled_args, so compiled autograd cannot trace it: inputs with
+// forward-mode tangents get the Function's node instead (see autograd_kernel).
+// Edges: mat_a, mat_b, then bias if given.
 struct GroupedMMBackward : public torch::autograd::Node {
   std::string name() const override { return "GroupedMmBackward"; }
 
@@ -259,8 +260,14 @@ Tensor autograd_kernel(c10::DispatchKeySet ks, const Tensor& a, const Tensor& b,
   Tensor out;
   if (!(at::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad() || (has_bias && bias->requires_grad())))) {
     out = below_autograd(ks, a, b, offs, bias, out_dtype);
-  } else if (tangents || functorch_active()) {
+  } else if (functorch_active()) {
     out = with_node(ks, a, b, offs, bias, out_dtype);
+  } else if (tangents) {
+    // The Function's node, so compiled autograd can trace it (the hand-built one has no
+    // compiled_args), made with forward-mode AD off: a C++ Function refuses inputs with
+    // tangents (it has no jvp). The tangent is set below; the saved inputs keep theirs.
+    c10::AutoFwGradMode no_tangents(false);
+    out = GroupedMM::apply(a, b, offs, bias, out_dtype, ks);
   } else {
     return GroupedMM::apply(a, b, offs, bias, out_dtype, ks);
   }
