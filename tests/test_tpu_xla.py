@@ -12,12 +12,15 @@ Categories:
 * autocast on xla casts the inputs (the AutocastXLA key) before the XLA kernel;
 * vmap on xla: the batching rule's folded calls run on the XLA kernel, and per-sample offs that
   are not a valid partition are clamped on the device (no host read), sample by sample;
-* new group sizes run the compiled XLA graph again (no new compilation), new shapes compile.
+* new group sizes run the compiled XLA graph again (no new compilation), new shapes compile;
+* without torchax (which call_jax needs) the call is declined to the reference, not an error.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,3 +174,22 @@ def test_new_group_sizes_do_not_recompile(dev):
     a2, b2 = _operands("2d3d", 4, 56, 16, 8, torch.float32, gen)
     torch.ops.moe.grouped_mm(*_on(dev, a2, b2, torch.tensor((1, 2, 3, 56), dtype=torch.int32))).cpu()
     assert _compiles() > before, "a new shape compiles (the metric is live)"
+
+
+def test_without_torchax_the_reference_serves():
+    """call_jax raises AssertionError on every call when torchax cannot be imported (torch-xla
+    2.9.0 ships a torchax whose import needs flax); the kernel must decline to the reference
+    instead. sys.modules["torchax"] = None makes its import fail, in a fresh process."""
+    code = (
+        "import sys; sys.modules['torchax'] = None\n"
+        "import torch, torch_xla, moe_ops\n"
+        "a, b, offs = torch.randn(6, 4), torch.randn(2, 4, 3), torch.tensor([2, 6])\n"
+        "dev = torch_xla.device()\n"
+        "out = moe_ops.grouped_mm(a.to(dev), b.to(dev), offs.to(dev)).cpu()\n"
+        "print('COUNTS', moe_ops.kernel_counts())\n"
+        "torch.testing.assert_close(out, moe_ops.grouped_mm(a, b, offs))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "COUNTS {'reference': 1}" in r.stdout, r.stdout

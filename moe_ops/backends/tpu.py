@@ -233,14 +233,34 @@ def serves_xla_device(device) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _call_jax_missing():
+    """Why ``call_jax`` cannot run here, or None. It needs torchax, which it imports through
+    torch_xla's ``maybe_get_torchax`` and, when that fails, raises AssertionError on every call;
+    torch-xla 2.9.0's wheel ships a torchax (0.0.6) whose import needs flax, which
+    ``torch_xla[pallas]`` does not install. The same helper is asked here (a torch_xla without
+    it is left to call_jax)."""
+    try:
+        from torch_xla._internal.jax_workarounds import maybe_get_torchax
+    except ImportError:
+        return None
+    if maybe_get_torchax() is None:
+        return "torch_xla's call_jax needs torchax, which cannot be imported (pip install torchax)"
+    return None
+
+
 def xla_impl(p, mat_a, mat_b, offs, bias):
     """The kernels on ``xla`` tensors, through ``torch_xla.core.xla_builder.call_jax``.
 
     XLA tensors carry no strides, so transposed views are not detected: a transposed mat_b
     becomes an HLO transpose feeding the kernel (one copy of the weights, done by XLA).
+    Declined (NotImplementedError: the reference computes the call) without jax or torchax.
     """
     _check_dtype(p)
     tp = _pallas_or_decline()
+    missing = _call_jax_missing()
+    if missing:
+        raise NotImplementedError(missing)
     import torch_xla.core.xla_model as xm
     from torch_xla.core import xla_builder
 
