@@ -840,6 +840,33 @@ def test_output_cache_keeps_freed_blocks_within_its_limit_and_empties():
 
 
 @needs_cache
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"),
+                    reason="needs Linux's /proc/self/status")
+def test_output_cache_returns_emptied_blocks_to_the_os():
+    """empty_cpu_cache() returns the free blocks' memory to the OS, also once glibc has raised its
+    mmap threshold (it does on the first free of an mmapped chunk, to that chunk's size, up to
+    32 MiB): blocks taken with posix_memalign then came from glibc's heap, and free() kept them
+    resident. Outputs [8, 64, 512 * m] fp32 (m MiB, m = 8-28), written, freed and emptied."""
+    a, offs = torch.randn(16, 64), torch.arange(2, 17, 2)
+
+    def out(mib):  # a [8, 64, 512 * mib] fp32 output: mib MiB, a block of its own size
+        return moe_ops.grouped_mm(a.t(), torch.randn(16, 512 * mib), offs)
+
+    moe_ops.empty_cpu_cache()
+    first = out(30)  # one block mapped and, emptied, given back: glibc's threshold rises
+    del first
+    moe_ops.empty_cpu_cache()
+    before = _resident_mib()
+    outs = [out(mib) for mib in range(8, 30, 2)]  # 11 blocks, 209 MiB, every page written
+    held = _resident_mib() - before
+    assert held >= 150, f"only {held} MiB resident for 209 MiB of outputs"
+    del outs
+    moe_ops.empty_cpu_cache()
+    kept = _resident_mib() - before
+    assert kept < held // 4, f"{kept} of {held} MiB still resident after empty_cpu_cache()"
+
+
+@needs_cache
 def test_output_cache_reports_its_blocks_to_the_memory_profiler():
     """torch.profiler(profile_memory=True) sees an output in a cache block, as it sees c10's CPU
     allocations: the C++ kernel's row carries the block's bytes."""

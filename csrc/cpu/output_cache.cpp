@@ -75,6 +75,36 @@ void advise_huge(void* p, size_t bytes) {
 #endif
 }
 
+// A block of `bytes` (a multiple of kHuge), kHuge-aligned, mapped on its own; nullptr if none.
+// Not posix_memalign: once glibc has unmapped one mmapped chunk it raises its mmap threshold to
+// that size (up to 32 MiB), and later blocks of 8-32 MiB then came from its heap, where free()
+// keeps them resident: empty_cpu_cache() and the limit released no memory to the OS (measured
+// here: 11 blocks of 8-28 MiB freed, 198 MiB "released", RSS 203 MiB above where it was).
+void* map_block(size_t bytes) {
+#if defined(__linux__)
+  // Over-map by one huge page and unmap the ends, so the block starts on a 2 MiB boundary.
+  void* m = mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
+                 0);
+  if (m == MAP_FAILED) return nullptr;
+  const uintptr_t begin = (uintptr_t)m, p = (begin + kHuge - 1) & ~(kHuge - 1);
+  if (p > begin) munmap(m, p - begin);
+  if (begin + kHuge > p) munmap((void*)(p + bytes), begin + kHuge - p);
+  return (void*)p;
+#else
+  void* p = nullptr;
+  return posix_memalign(&p, kHuge, bytes) == 0 ? p : nullptr;
+#endif
+}
+
+void unmap_block(void* p, size_t bytes) {
+#if defined(__linux__)
+  munmap(p, bytes);
+#else
+  (void)bytes;
+  std::free(p);
+#endif
+}
+
 int64_t default_limit() {
   const char* env = std::getenv("MOE_OPS_CPU_CACHE_MB");
   if (env != nullptr && *env != '\0') return std::max<int64_t>(0, std::atoll(env)) << 20;
@@ -115,8 +145,8 @@ class OutputCache final : public c10::Allocator {
     const size_t bytes = (n + kHuge - 1) / kHuge * kHuge;
     Block* b = take(bytes);
     if (b == nullptr) {
-      void* p = nullptr;
-      TORCH_CHECK_WITH(OutOfMemoryError, posix_memalign(&p, kHuge, bytes) == 0,
+      void* p = map_block(bytes);
+      TORCH_CHECK_WITH(OutOfMemoryError, p != nullptr,
                        "moe_cpu.grouped_mm: cannot allocate ", bytes, " bytes for the output");
       advise_huge(p, bytes);
       b = new Block{p, bytes, false};
@@ -242,7 +272,7 @@ class OutputCache final : public c10::Allocator {
     for (Block* b : blocks) {
       n += (int64_t)b->bytes;
       MOE_UNPOISON(b->p, b->bytes);
-      std::free(b->p);
+      unmap_block(b->p, b->bytes);
       delete b;
     }
     return n;
