@@ -1273,9 +1273,11 @@ def test_benchmark_memory_floor():
     assert bench.floor_ratio(row, 4.194304) == pytest.approx(4.0)  # 4 MiB at 4.19 GB/s: 1 ms
     assert bench.floor_ratio(row, 2.097152) == pytest.approx(8.0)
     assert bench.floor_ratio({**row, "peers": {"dense torch.mm": {"median_ms": 5.0}}}, 4.194304) == 1.0
-    assert 0.1 < bench.memory_bandwidth(1 << 20, write=False) < 1e4
-    assert 0.1 < bench.memory_bandwidth(1 << 20, write=True) < 1e4
-    assert 0.1 < bench.memory_bandwidth(64 << 20, write=False, cold=True) < 1e4
+    # Only that a rate comes back: no lower bound, which is a timing assertion (a reviewer's
+    # run under a load of 5.5 took 8-12 ms for 1 MiB, under the 0.1 GB/s this test once asked).
+    assert 0 < bench.memory_bandwidth(1 << 20, write=False) < 1e4
+    assert 0 < bench.memory_bandwidth(1 << 20, write=True) < 1e4
+    assert 0 < bench.memory_bandwidth(64 << 20, write=False, cold=True) < 1e4
 
 
 def _resident_mib() -> int:
