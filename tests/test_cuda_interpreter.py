@@ -366,3 +366,23 @@ def test_without_triton_the_kernel_falls_back_to_the_reference_and_logs_once(mon
     _check(out, a, b, offs)
     reasons = [r.getMessage() for r in caplog.records if "triton is not installed" in r.getMessage()]
     assert len(reasons) == 1, reasons
+
+
+def test_small_group_tiles_follow_the_row_tiles_of_every_layout():
+    # 128 experts and 4096 routed tokens: groups of 32 rows, whichever operand holds them. In 3Dx2D
+    # the kernel's rows are out's columns, grouped over N (M is a dense dimension); 3Dx3D batches
+    # of 16 rows are as small. They get the 64-row tiles that 2Dx3D gets (half the padding).
+    bf = torch.bfloat16
+    e = torch.empty
+    offs = torch.zeros(128, dtype=torch.int32)
+    cases = {
+        "2d3d": _contract.check_args(e(4096, 8, dtype=bf), e(128, 8, 8, dtype=bf), offs),
+        "3d2d": _contract.check_args(e(128, 8192, 8, dtype=bf), e(8, 4096, dtype=bf), offs),
+        "3d3d": _contract.check_args(e(128, 16, 8, dtype=bf), e(128, 8, 8, dtype=bf)),
+    }
+    for layout, p in cases.items():
+        assert tk.tile_config(90, bf, tk.rows_per_group(p)).BM == 64, layout
+    large = _contract.check_args(e(8, 8192, 8, dtype=bf), e(8, 4096, dtype=bf), offs[:8])
+    assert tk.tile_config(90, bf, tk.rows_per_group(large)).BM == 128  # 512 columns per group
+    wgrad = _contract.check_args(e(8, 4096, dtype=bf), e(4096, 8, dtype=bf), offs)
+    assert tk.rows_per_group(wgrad) is None  # 2Dx2D tiles span M whatever the groups

@@ -579,6 +579,17 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float64 else "tf32"
 
 
+def rows_per_group(p: Problem) -> Optional[int]:
+    """Average rows per group of the row tiles ``_rows_kernel`` cuts, for ``tile_config``: M / G
+    for 2Dx3D, N / G for 3Dx2D (its rows are the columns of out, grouped by offs), M for 3Dx3D
+    (each batch); None for 2Dx2D, whose tiles span all M rows of each group's slice."""
+    if p.layout == LAYOUT_2D2D:
+        return None
+    if p.layout == LAYOUT_3D3D:
+        return p.M
+    return p.extent // max(p.G, 1)
+
+
 def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
                config: Optional[TileConfig] = None, programs: Optional[int] = None, arch: int = 0,
                out: Optional[torch.Tensor] = None):
@@ -614,8 +625,7 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
         if interpret:
             config = INTERPRETER_CONFIG_TMA if tma_requested() else INTERPRETER_CONFIG
         else:
-            rows_per_group = (p.M // max(p.G, 1)) if p.layout == LAYOUT_2D3D else None
-            config = tile_config(arch, p.dtype, rows_per_group)
+            config = tile_config(arch, p.dtype, rows_per_group(p))
     common = dict(
         BM=config.BM, BN=config.BN, BK=config.BK, GROUP_M=config.GROUP_M,
         ACC_DTYPE=_acc_dtype(p.dtype), PRECISION=_precision(p.dtype),
