@@ -201,8 +201,9 @@ def test_tma_copies_transposed_mat_b_and_3d3d(dtype):
 def test_tma_declined_where_copies_cannot_describe_the_operands():
     # TMA needs a unit innermost stride, a 16-byte aligned base and 16-byte multiples for the
     # other strides: K = 36 bf16 rows are 72 bytes apart; a view one element in is 2-byte
-    # aligned; mat_b strided in both inner dimensions has no unit stride. Those run the pointer
-    # loads, with the same results.
+    # aligned; mat_b strided in both inner dimensions has no unit stride; expanded weights have
+    # stride 0, which cuTensorMapEncodeTiled does not describe. Those run the pointer loads, with
+    # the same results.
     b = _randn(3, 40, 24, dtype=torch.bfloat16, seed=48)
     a = _randn(30, 40, dtype=torch.bfloat16, seed=49)
     offs = torch.tensor([8, 20, 30])
@@ -210,6 +211,7 @@ def test_tma_declined_where_copies_cannot_describe_the_operands():
         "K*2 bytes not a multiple of 16": (_randn(30, 36, dtype=torch.bfloat16, seed=50), b[:, :36]),
         "base not 16-byte aligned": (_randn(30 * 40 + 1, dtype=torch.bfloat16, seed=51)[1:].view(30, 40), b),
         "no unit stride in mat_b": (a, _randn(3, 80, 48, dtype=torch.bfloat16, seed=52)[:, ::2, ::2]),
+        "one expert's weights expanded (stride 0)": (a, b[:1].expand(3, 40, 24)),
     }
     for what, (x, w) in cases.items():
         assert tk._tma_descriptors(x, w, False, TMA_SMALL) is None, what
