@@ -639,6 +639,120 @@ def test_a_bias_not_g_by_n_is_refused_before_it_is_read():
     check(good, a, b, offs, torch.ones(3, 5), None)
 
 
+@pytest.mark.parametrize("level", machine_levels(
+    ("generic", "avx2", "avx512", "avx512_bf16_swapped", "amx")))
+def test_operands_without_elements_may_have_any_strides(level):
+    """Operands with no elements (K = 0, or N = 0) can carry any strides (as_strided on an empty
+    storage): 2^62 here, which the kernel's group offsets (g * stride, in bytes) overflowed,
+    undefined behaviour that .ci/sanitizers.sh's UBSan build aborts on. The results: zeros for
+    the empty contraction (plus the bias), an empty [M, 0] or [G, M, 0] for N = 0.
+    2Dx3D: mat_a [4, 0], mat_b [3, 0, 4], offs [3]; 3Dx3D: [3, 2, 0] x [3, 0, 0], bias [3, 0]."""
+    huge = 2**62
+    offs = torch.tensor([1, 2, 4], dtype=torch.int32)
+    for dtype in (torch.float32, torch.bfloat16):
+        empty = torch.empty(0, dtype=dtype)
+        for a, b in ((torch.empty(4, 0, dtype=dtype), empty.as_strided((3, 0, 4), (huge, 1, 1))),
+                     (empty.as_strided((4, 0), (huge, 1)), torch.empty(3, 0, 4, dtype=dtype))):
+            bias = torch.randn(3, 4).to(dtype)
+            assert torch.equal(run((a, b, offs, None, None), level), torch.zeros(4, 4, dtype=dtype))
+            want = bias.repeat_interleave(torch.tensor([1, 1, 2]), dim=0)
+            assert torch.equal(run((a, b, offs, bias, None), level), want)
+        a3, b3 = torch.empty(3, 2, 0, dtype=dtype), empty.as_strided((3, 0, 0), (huge, huge, 1))
+        bias3 = empty.as_strided((3, 0), (huge, 1))
+        assert run((a3, b3, None, bias3, None), level).shape == (3, 2, 0)
+
+
+@pytest.mark.parametrize("level", machine_levels(
+    ("generic", "avx2", "avx512", "avx512_bf16_swapped", "amx")))
+def test_a_k_past_2_to_the_40_is_refused(level):
+    """K of 2^55 and more (only stride-0, expanded operands have it) wrapped the kernels'
+    workspace sizes (~256 bytes per k) past int64, and the items then wrote past a small
+    scratch block (a segfault at the AVX2 and AVX-512 levels, through moe_ops.grouped_mm too):
+    K past 2^40 is refused before any allocation. Every layout, M = N = 1, fp32 and bf16."""
+    K = 2**55 + 3
+    for dtype in (torch.float32, torch.bfloat16):
+        one = torch.ones(1, 1, 1, dtype=dtype)
+        offs = torch.tensor([1], dtype=torch.int32)
+        for a, b, o in ((one[0].expand(1, K), one.expand(1, K, 1), offs),
+                        (one[0].expand(1, K), one[0].expand(K, 1), offs),
+                        (one.expand(1, 1, K), one.expand(1, K, 1), None),
+                        (one.expand(1, 1, K), one[0].expand(K, 1), offs)):
+            with pytest.raises(RuntimeError, match=r"K = \d+ is past 2\^40"):
+                run((a, b, o, None, None), level)
+    with pytest.raises(RuntimeError, match=r"is past 2\^40"):
+        moe_ops.grouped_mm(torch.ones(1, 1).expand(1, K), torch.ones(1, 1, 1).expand(1, K, 1),
+                           offs=torch.tensor([1], dtype=torch.int32))
+
+
+@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="AddressSanitizer aborts on a failed operator new instead of throwing")
+@pytest.mark.parametrize("level", machine_levels(("avx2", "avx512", "avx512_bf16_swapped", "amx")))
+def test_a_call_after_a_failed_scratch_allocation_gets_new_scratch(level):
+    """A thread's scratch was freed before its larger replacement was allocated, and its size
+    kept: when the allocation failed (bad_alloc), the thread's next call took the freed block's
+    size for its own and packed its operands through a null pointer (a segfault). K = 2^40
+    (stride-0 operands, M = N = 1) asks for more scratch than the address space holds, so the
+    allocation fails under any overcommit policy. In a subprocess on one thread: a crash must
+    not take pytest with it, and one thread makes the failing and the next call share a scratch.
+    Then mat_a [64, 64] x mat_b [2, 64, 64] fp32, before and after."""
+    isa = ISA[LEVELS[level][0]]
+    code = (
+        "import torch, moe_ops._cpu\n"
+        "from moe_ops.testing import assert_close, reference_results\n"
+        "torch.set_num_threads(1)\n"
+        "op = torch.ops.moe_cpu.grouped_mm\n"
+        "a, b = torch.randn(64, 64), torch.randn(2, 64, 64)\n"
+        "offs = torch.tensor([30, 64], dtype=torch.int32)\n"
+        "want = reference_results(a, b, offs)\n"
+        f"run = lambda: op('2d3d', a, b, offs, None, torch.float32, {isa})\n"
+        "assert_close(run(), *want)\n"
+        "K = 2**40\n"
+        "try:\n"
+        "    op('2d3d', torch.ones(1, 1).expand(1, K), torch.ones(1, 1, 1).expand(1, K, 1),\n"
+        f"       torch.tensor([1], dtype=torch.int32), None, torch.float32, {isa})\n"
+        "    raise SystemExit('the K = 2^40 call did not fail')\n"
+        "except (MemoryError, RuntimeError):\n"
+        "    pass\n"
+        "assert_close(run(), *want)\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout[-2000:],
+                                                             r.stderr[-2000:])
+
+
+def test_3d3d_without_output_elements_takes_no_memory_per_group():
+    """3Dx3D with M = 0 has an empty [G, M, N] output whatever G is, and stride-0 operands make
+    any G cheap: G = 2^22 here ([G, 0, 2] x [G, 2, 3], fp32) used to build a task per group
+    (~0.6 GiB, and 2^40 groups ran out of memory). In a subprocess, for a clean peak RSS."""
+    code = (
+        "import resource, torch, moe_ops._cpu\n"
+        "G = 2**22\n"
+        "a = torch.empty(0).as_strided((G, 0, 2), (0, 0, 0))\n"
+        "b = torch.zeros(1).as_strided((G, 2, 3), (0, 0, 0))\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "out = torch.ops.moe_cpu.grouped_mm('3d3d', a, b, None, None, torch.float32)\n"
+        "grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+        "print(tuple(out.shape), grown)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    shape, grown_kib = r.stdout.rsplit(")", 1)
+    assert shape + ")" == f"({2**22}, 0, 3)"
+    assert int(grown_kib) < 64 * 1024, f"peak RSS grew by {int(grown_kib) // 1024} MiB"
+
+
+def test_bf16_scheme_is_checked_before_it_is_narrowed():
+    """The op's private bf16_scheme is -1 (this CPU's choice) or 0-2: 2^32 + 1 used to pass as 1
+    (the check ran on its int32 narrowing), and -5 as -1. mat_a [4, 8] x mat_b [2, 8, 3], bf16."""
+    a, b = torch.randn(4, 8).bfloat16(), torch.randn(2, 8, 3).bfloat16()
+    offs = torch.tensor([1, 4], dtype=torch.int32)
+    for scheme in (2**32 + 1, 2**32, -5, 3, -2**63):
+        with pytest.raises(RuntimeError, match="bf16_scheme"):
+            torch.ops.moe_cpu.grouped_mm("2d3d", a, b, offs, None, torch.bfloat16, -1, scheme)
+    for scheme in (-1, 0, 1, 2):
+        check(torch.ops.moe_cpu.grouped_mm("2d3d", a, b, offs, None, torch.bfloat16, -1, scheme),
+              a, b, offs, None, None)
+
+
 @pytest.mark.parametrize("K", [8192, 8200])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout,bias", [(layout, False) for layout in ("2d3d", "2d3d-kn", "2d2d", "3d2d", "3d3d")]

@@ -209,6 +209,20 @@ std::vector<int64_t> read_offs(const Tensor& offs, int64_t G, int64_t extent) {
   return ends;
 }
 
+// An operand with no elements is never read (an item with rows and columns then has k == 0),
+// but its strides can be anything (as_strided allows any on an empty storage), and the group
+// offsets and item offsets formed from them (g * stride, m0 * stride) overflowed int64: the same
+// operand with zero strides instead.
+Tensor strides_zero_if_empty(const Tensor& t) {
+  return t.numel() == 0 ? t.as_strided(t.sizes(), std::vector<int64_t>(t.dim(), 0), 0) : t;
+}
+
+// Largest K (the contraction's length, per group in 2Dx2D) the kernels take: their workspace
+// sizes grow with K (~256 bytes per k) and wrapped int64 from K ~ 2^55, which only stride-0
+// (expanded) operands reach; up to this bound those sizes stay far below 2^63 (a request that
+// large fails cleanly with bad_alloc).
+constexpr int64_t kMaxK = int64_t(1) << 40;
+
 const char* ptr(const Tensor& t, int64_t offset_elems) {
   return static_cast<const char*>(t.data_ptr()) + offset_elems * (int64_t)t.element_size();
 }
@@ -234,8 +248,12 @@ Task make_task(const Tensor& a, int64_t a_off, int64_t a_sm, int64_t a_sk, const
   return t;
 }
 
-Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const c10::optional<Tensor>& offs,
-              const c10::optional<Tensor>& bias_opt, at::ScalarType out_dtype) {
+Problem build(const std::string& layout, const Tensor& mat_a, const Tensor& mat_b,
+              const c10::optional<Tensor>& offs, const c10::optional<Tensor>& bias_in,
+              at::ScalarType out_dtype) {
+  const Tensor a = strides_zero_if_empty(mat_a), b = strides_zero_if_empty(mat_b);
+  c10::optional<Tensor> bias_opt = bias_in;
+  if (bias_opt.has_value() && bias_opt->defined()) bias_opt = strides_zero_if_empty(*bias_opt);
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "moe_cpu.grouped_mm: CPU tensors only");
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "moe_cpu.grouped_mm: mat_a and mat_b dtypes differ");
   (void)to_dt(a.scalar_type());  // raises for an unsupported dtype
@@ -249,11 +267,15 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
                                     bias->size(1) == N && bias->scalar_type() == a.scalar_type()),
                 "moe_cpu.grouped_mm: bias must be [G, N] on the CPU in the inputs' dtype");
   };
+  auto check_k = [](int64_t K) {
+    TORCH_CHECK(K <= kMaxK, "moe_cpu.grouped_mm: K = ", K, " is past 2^40");
+  };
   const auto opts = a.options().dtype(out_dtype);
   Problem p;
   if (layout == "2d3d") {
     TORCH_CHECK(a.dim() == 2 && b.dim() == 3 && a.size(1) == b.size(1), "moe_cpu.grouped_mm: 2d3d shapes");
     const int64_t M = a.size(0), K = a.size(1), G = b.size(0), N = b.size(2);
+    check_k(K);
     check_bias(G, N);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const auto ends = read_offs(*offs, G, M);
@@ -269,6 +291,7 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
     TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "moe_cpu.grouped_mm: 2d2d shapes");
     TORCH_CHECK(bias == nullptr, "moe_cpu.grouped_mm: no bias for 2d2d");
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+    check_k(K);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const int64_t G = offs->size(0);
     const auto ends = read_offs(*offs, G, K);
@@ -284,9 +307,12 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
     TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
                 "moe_cpu.grouped_mm: 3d3d shapes");
     const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+    check_k(K);
     check_bias(G, N);
     p.out = new_output({G, M, N}, opts);
-    for (const auto g : c10::irange(G)) {
+    // An output without elements takes no tasks: its G is bounded by nothing (stride-0 operands
+    // of 2^40 groups and M = 0 made a Task per group until memory ran out).
+    for (const auto g : c10::irange(p.out.numel() == 0 ? 0 : G)) {
       p.tasks.push_back(make_task(a, g * a.stride(0), a.stride(1), a.stride(2), b, g * b.stride(0), b.stride(1),
                                   b.stride(2), p.out, g * M * N, N, 1, bias, g, M, N, K));
     }
@@ -294,6 +320,7 @@ Problem build(const std::string& layout, const Tensor& a, const Tensor& b, const
     TORCH_CHECK(a.dim() == 3 && b.dim() == 2 && a.size(2) == b.size(0), "moe_cpu.grouped_mm: 3d2d shapes");
     TORCH_CHECK(bias == nullptr, "moe_cpu.grouped_mm: no bias for 3d2d");
     const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = b.size(1);
+    check_k(K);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const auto ends = read_offs(*offs, G, N);
     p.out = new_output({M, N}, opts);
@@ -409,6 +436,7 @@ constexpr int64_t kScratchKeepBytes = int64_t(16) << 20;
 void* thread_scratch(int64_t bytes) {
   if (tl_scratch.size < bytes + 64) {
     tl_scratch.data.reset();  // the old block first: never both at once
+    tl_scratch.size = 0;      // if the new one throws (bad_alloc), no later call takes nullptr
     tl_scratch.data.reset(new char[bytes + 64]);
     tl_scratch.size = bytes + 64;
   }
@@ -645,8 +673,10 @@ Tensor grouped_mm(c10::string_view layout, const Tensor& mat_a, const Tensor& ma
   const Isa isa = capped_isa(isa_cap);
   const auto dtype = mat_a.scalar_type();
   const bool stream = p.out.nbytes() >= kStreamBytes && in_reused_block(p.out);
+  // Checked before the narrowing to int32 (2^32 + 1 used to pass as 1), as far_prefetch is.
+  TORCH_CHECK(bf16_scheme >= -1 && bf16_scheme <= kBf16Swapped512,
+              "moe_cpu.grouped_mm: bf16_scheme");
   const int32_t scheme = bf16_scheme < 0 ? default_bf16_scheme() : (int32_t)bf16_scheme;
-  TORCH_CHECK(scheme >= kBf16Direct && scheme <= kBf16Swapped512, "moe_cpu.grouped_mm: bf16_scheme");
   TORCH_CHECK(far_prefetch >= -1 && far_prefetch <= 1, "moe_cpu.grouped_mm: far_prefetch");
   const bool far = far_prefetch < 0 ? default_far_prefetch() : far_prefetch == 1;
   for (Task& t : p.tasks) {
