@@ -27,7 +27,6 @@ import threading
 from typing import Callable
 
 import torch
-import torch.autograd.forward_ad as _fwAD
 
 from . import _batching, _contract, reference
 from ._contract import LAYOUT_2D2D, LAYOUT_2D3D, LAYOUT_3D2D, LAYOUT_3D3D
@@ -279,10 +278,7 @@ def _jvp(ctx, t_a, t_b, t_bias):
 
 
 def _autograd_kernel(keyset, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    grad = torch.is_grad_enabled() and (
-        mat_a.requires_grad or mat_b.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    if grad or (_fwAD._current_level >= 0 and _has_tangent(mat_a, mat_b, bias)):
+    if reference.differentiated(mat_a, mat_b, bias):
         if torch._C._are_functorch_transforms_active():
             # Reached from inside the dispatcher, an autograd.Function cannot take functorch's
             # route for it (custom_function_call has no kernel at the Autograd keys).
@@ -292,11 +288,6 @@ def _autograd_kernel(keyset, mat_a, mat_b, offs=None, bias=None, out_dtype=None)
             )
         return _GroupedMM.apply(mat_a, mat_b, offs, bias, out_dtype, keyset)
     return _below_autograd(keyset, mat_a, mat_b, offs, bias, out_dtype)
-
-
-def _has_tangent(*tensors) -> bool:
-    """Whether a tensor carries a forward-mode tangent at the current dual level."""
-    return any(t is not None and _fwAD.unpack_dual(t).tangent is not None for t in tensors)
 
 
 class _Autograd:

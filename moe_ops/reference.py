@@ -47,15 +47,16 @@ def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     """
     p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
     offs = _contract.prepare_offs(offs, p.extent)
-    if _differentiated(mat_a, mat_b, bias):
+    if differentiated(mat_a, mat_b, bias):
         return _compute_sync_free(p, mat_a, mat_b, offs, bias)
     return compute(p, mat_a, mat_b, offs, bias)
 
 
-def _differentiated(*tensors) -> bool:
-    """Whether autograd differentiates a call on these tensors: reverse mode (grad enabled and
-    one requires grad) or forward mode (one carries a tangent: dual tensors, torch.func.jvp).
-    mm's out= variant, which the CPU loop uses, has no forward derivative and raises."""
+def differentiated(*tensors) -> bool:
+    """Whether autograd differentiates a call on these tensors (None entries skipped): reverse
+    mode (grad enabled and one requires grad) or forward mode (one carries a tangent at the
+    current dual level: dual tensors, torch.func.jvp). Here: mm's out= variant, which the CPU
+    loop uses, has no forward derivative and raises; the op's Python Autograd kernel asks too."""
     ts = [t for t in tensors if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return True
