@@ -267,15 +267,14 @@ Problem build(const std::string& layout, const Tensor& mat_a, const Tensor& mat_
                                     bias->size(1) == N && bias->scalar_type() == a.scalar_type()),
                 "moe_cpu.grouped_mm: bias must be [G, N] on the CPU in the inputs' dtype");
   };
-  auto check_k = [](int64_t K) {
-    TORCH_CHECK(K <= kMaxK, "moe_cpu.grouped_mm: K = ", K, " is past 2^40");
-  };
+  // K is mat_a's last dimension in every layout (a rank-0 mat_a fails its layout's check below).
+  TORCH_CHECK(a.dim() == 0 || a.size(-1) <= kMaxK, "moe_cpu.grouped_mm: K = ", a.size(-1),
+              " is past 2^40");
   const auto opts = a.options().dtype(out_dtype);
   Problem p;
   if (layout == "2d3d") {
     TORCH_CHECK(a.dim() == 2 && b.dim() == 3 && a.size(1) == b.size(1), "moe_cpu.grouped_mm: 2d3d shapes");
     const int64_t M = a.size(0), K = a.size(1), G = b.size(0), N = b.size(2);
-    check_k(K);
     check_bias(G, N);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const auto ends = read_offs(*offs, G, M);
@@ -291,7 +290,6 @@ Problem build(const std::string& layout, const Tensor& mat_a, const Tensor& mat_
     TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "moe_cpu.grouped_mm: 2d2d shapes");
     TORCH_CHECK(bias == nullptr, "moe_cpu.grouped_mm: no bias for 2d2d");
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-    check_k(K);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const int64_t G = offs->size(0);
     const auto ends = read_offs(*offs, G, K);
@@ -307,7 +305,6 @@ Problem build(const std::string& layout, const Tensor& mat_a, const Tensor& mat_
     TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
                 "moe_cpu.grouped_mm: 3d3d shapes");
     const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
-    check_k(K);
     check_bias(G, N);
     p.out = new_output({G, M, N}, opts);
     // An output without elements takes no tasks: its G is bounded by nothing (stride-0 operands
@@ -320,7 +317,6 @@ Problem build(const std::string& layout, const Tensor& mat_a, const Tensor& mat_
     TORCH_CHECK(a.dim() == 3 && b.dim() == 2 && a.size(2) == b.size(0), "moe_cpu.grouped_mm: 3d2d shapes");
     TORCH_CHECK(bias == nullptr, "moe_cpu.grouped_mm: no bias for 3d2d");
     const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = b.size(1);
-    check_k(K);
     TORCH_CHECK(offs.has_value(), "moe_cpu.grouped_mm: offs missing");
     const auto ends = read_offs(*offs, G, N);
     p.out = new_output({M, N}, opts);
