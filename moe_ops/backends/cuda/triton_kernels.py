@@ -549,8 +549,9 @@ def _cdiv(a: int, b: int) -> int:
 def _tma_descriptors(a, b, batched: bool, config: TileConfig):
     """(a_desc, b_desc, b_k_contiguous) for ``_k_loop_tma``, or None where the operands break a
     rule of TMA copies: a unit innermost stride, a 16-byte aligned base, other strides nonzero
-    multiples of 16 bytes, no empty dimension. b: [G, K, N] with contiguous rows, or the transposed view of
-    a [G, N, K] tensor (the input gradient's mat_b), described as that [G, N, K] storage."""
+    multiples of 16 bytes, no empty dimension. b: [G, K, N] with contiguous rows, or the
+    transposed view of a [G, N, K] tensor (the input gradient's mat_b), described as that
+    [G, N, K] storage."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if b.stride(2) == 1:
@@ -565,7 +566,8 @@ def _tma_descriptors(a, b, batched: bool, config: TileConfig):
                 # Stride 0 (expanded weights) passes the 16-byte rule, but cuTensorMapEncodeTiled's
                 # docs build each stride from the dimensions inside it; declined, as the
                 # Blackwell path declines broadcast operands (untried on a GPU).
-                or any(stride == 0 or stride * t.element_size() % 16 for stride in t.stride()[:-1])):
+                or any(stride == 0 or stride * t.element_size() % 16
+                       for stride in t.stride()[:-1])):
             return None
     return TensorDescriptor.from_tensor(a, a_block), TensorDescriptor.from_tensor(b_view, b_block), k_contiguous
 
