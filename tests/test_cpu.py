@@ -1373,6 +1373,18 @@ def test_decode_and_host_overhead_benchmarks_smoke(tmp_path):
     assert len(timed) == 6 and all("torch._grouped_mm" in row for row in timed.values())
 
 
+def test_decode_benchmark_refuses_to_time_a_nan_result(monkeypatch):
+    """decode.py checks every peer against the loop of torch.mm before timing it; a NaN result
+    fails that check (it once passed: NaN > tolerance is False). fp32, G=4, 16 routed rows."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import decode
+
+    monkeypatch.setitem(decode.PEERS, "moe_ops",
+                        lambda a, b, offs: torch.full((a.shape[0], b.shape[2]), float("nan")))
+    with pytest.raises(RuntimeError, match="moe_ops differs"):
+        decode.bench_model("tiny", 4, 2, 64, 64, torch.float32, 8, 1, 1 << 20, "gkn")
+
+
 def test_benchmark_memory_floor():
     """The floor is bytes of the G expert matrices / bandwidth, over the dense time, at least 1."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))

@@ -154,3 +154,30 @@ def test_the_other_gpu_scripts_refuse_without_a_gpu(script, tmp_path):
     spec.loader.exec_module(module)
     assert module.main(["--out", str(tmp_path)]) == 2
     assert not any(tmp_path.iterdir())
+
+
+def test_a_nan_result_is_wrong(gpu_check):
+    """A NaN anywhere in the result (in any chunk) is an infinite error, so that both the check's
+    ``< 2e-2`` and gpu_tile_sweep's ``> 2e-2`` call it wrong: Python's max(err, nan) keeps err,
+    and a result full of NaN was reported exact. x, ref: [1000] fp32."""
+    ref = torch.randn(1000)
+    for where in (slice(None), slice(0, 1), slice(500, 501), slice(999, None)):
+        x = ref.clone()
+        x[where] = float("nan")
+        assert gpu_check._rel_err(x, ref, chunk=7) == float("inf"), where
+        assert gpu_check._rel_err(ref, x, chunk=7) == float("inf"), where
+
+
+def test_a_wrong_result_gets_no_speedups(gpu_check, monkeypatch):
+    """The op's time does not count when its result failed the check: no speedup_vs, and goals()
+    says "moe_ops correct": False instead of reporting issue #3's targets as met. Tiny CPU case,
+    bf16; the op's result doubled stands for a wrong kernel."""
+    import moe_ops
+
+    real = moe_ops.grouped_mm
+    monkeypatch.setattr(moe_ops, "grouped_mm", lambda *args, **kw: real(*args, **kw) * 2)
+    case = dict(model="deepseek-v3", G=4, K=32, N=48, M=64)
+    result = gpu_check.bench_case(case, device="cpu", budget_s=0.01)
+    assert result["impls"]["moe_ops"]["correct"] is False
+    assert "speedup_vs" not in result
+    assert gpu_check.goals([result]) == {"deepseek-v3@64": {"moe_ops correct": False}}
