@@ -120,6 +120,62 @@ def test_disk_cache_serves_a_second_process(cache):
     assert info["seconds"] < 1.0, info
 
 
+@pytest.mark.parametrize("content", [b"", b"not an object file"], ids=["empty", "garbage"])
+def test_an_object_file_that_does_not_load_is_compiled_again(cache, content):
+    """A cache entry that the loader rejects (an empty file left by a crash after the rename, a
+    garbage one) is recompiled and replaced; it used to raise RuntimeError on every call of the
+    variant, in every process, until someone deleted the file. Variant: bf16 2d3d, tile_n 64."""
+    key = bw.KernelKey("sm_100a", "bf16", "bf16", 64, "n", False)
+    path = bw.cache_dir() / f"{key.name}_{bw._source_tag()}.o"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    bw._loaded.pop(key, None)
+    k = bw.compile_kernel(dtype=torch.bfloat16, layout="2d3d", tile=(128, 64))
+    assert k.source == "compiled" and k.object_path == path
+    assert bw.opcode_counts(bw.sass(path)).get("UTCHMMA", 0) > 0  # a real object replaced it
+
+
+def test_a_variant_the_dsl_cannot_build_is_declined_once(cache, monkeypatch):
+    """A DSL failure while compiling (an untested nvidia-cutlass-dsl, a missing toolchain piece)
+    becomes NotImplementedError, so the CUDA backend's Triton kernel serves the call instead of
+    every call failing; the failure is remembered, not retried per call (a compile takes
+    seconds). Variant: fp16 2d3d, tile_n 64, never compiled in this module."""
+    key = bw.KernelKey("sm_100a", "fp16", "fp16", 64, "n", False)
+    calls = []
+
+    def broken(k):
+        calls.append(k)
+        raise RuntimeError("DSL internal error\nsecond line")
+
+    monkeypatch.setattr(bw, "_compile", broken)
+    monkeypatch.setattr(bw, "_unbuildable", {})
+    bw._loaded.pop(key, None)
+    for _ in range(2):
+        with pytest.raises(NotImplementedError, match=r"\(RuntimeError: DSL internal error\)$"):
+            bw.kernel_or_decline(key)
+    assert calls == [key]
+
+
+def test_dsl_settings_are_part_of_the_cache_key(monkeypatch):
+    """CUTE_DSL_* variables change what the DSL compiles (CUTE_DSL_LINEINFO=1 gives another
+    object file), so a kernel compiled without them must not be served to a process with them.
+    CUTE_DSL_ARCH is overridden by the --gpu-arch option and stays out of the key."""
+    for name in [k for k in os.environ if k.startswith("CUTE_DSL_")]:
+        monkeypatch.delenv(name)
+    bw._source_tag.cache_clear()
+    try:
+        plain = bw._source_tag()
+        monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+        bw._source_tag.cache_clear()
+        assert bw._source_tag() == plain
+        monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")
+        bw._source_tag.cache_clear()
+        assert bw._source_tag() != plain
+    finally:
+        monkeypatch.undo()
+        bw._source_tag.cache_clear()
+
+
 def test_storing_a_variant_drops_only_its_own_older_builds(tmp_path):
     """A new object file replaces older builds of its variant, never another variant's (the
     no-bias variant's name is a prefix of the bias variant's)."""

@@ -38,10 +38,10 @@ once per 128-row band).
 Verification here (no GPU): the kernel is compiled ahead of time for sm_100a from fake tensors
 and its SASS is checked for UTCHMMA and UTMALDG (tests/test_cuda_blackwell.py). It has not run
 on hardware. Compiled kernels are cached on disk (``cache_dir()``), keyed by arch, dtypes, tile,
-layout and bias, plus a hash of this file and the CuTe DSL version, so a second process loads
-the object file (~40 ms) instead of compiling (0.6-5 s per variant on 2 cores). The first call
-of a variant in a process also loads its module onto the GPU: warm up before capturing a CUDA
-graph.
+layout and bias, plus a hash of this file, the CuTe DSL packages' versions and the CUTE_DSL_*
+settings, so a second process loads the object file (~40 ms) instead of compiling (0.6-5 s per
+variant on 2 cores). The first call of a variant in a process also loads its module onto the
+GPU: warm up before capturing a CUDA graph.
 """
 
 # No "from __future__ import annotations": the DSL evaluates the kernel's annotations, and the
@@ -249,9 +249,23 @@ def cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _source_tag() -> str:
-    """Part of every cache key: a change to this file or to the DSL invalidates old objects."""
+    """Part of every cache key: a change to this file, to the DSL or to its settings invalidates
+    old objects.
+
+    The DSL is several distributions (nvidia-cutlass-dsl and its libs-base / libs-core /
+    libs-cu12 or -cu13 packages, the latter carrying the CUDA toolchain), so each one's name and
+    version counts. CUTE_DSL_* variables change what the DSL compiles (e.g. LINEINFO,
+    ENABLE_TVM_FFI, COMPILER_OPT; the DSL keys its own JIT cache on them), so they count too,
+    except CUTE_DSL_ARCH, which ``--gpu-arch`` overrides.
+    """
     h = hashlib.sha256(Path(__file__).read_bytes())
     h.update((cutlass_dsl_version() or "").encode())
+    dists = sorted({(d.metadata["Name"] or "").lower(): d.version
+                    for d in importlib.metadata.distributions()
+                    if (d.metadata["Name"] or "").lower().startswith("nvidia-cutlass-dsl")}.items())
+    settings = sorted((k, v) for k, v in os.environ.items()
+                      if k.startswith("CUTE_DSL_") and k != "CUTE_DSL_ARCH")
+    h.update(repr((dists, settings)).encode())
     return h.hexdigest()[:12]
 
 
@@ -322,10 +336,18 @@ def _kernel(key: KernelKey, *, use_cache: bool = True) -> CompiledKernel:
         directory = cache_dir()
         path = directory / f"{key.name}_{_source_tag()}.o"
         t0 = time.perf_counter()
+        function = None
         if use_cache and path.exists():
-            function = getattr(cute.runtime.load_module(str(path)), key.name)
-            source = "disk"
-        else:
+            try:
+                function = getattr(cute.runtime.load_module(str(path)), key.name)
+                source = "disk"
+            except Exception as e:  # noqa: BLE001 - truncated, corrupt or removed meanwhile
+                # The cache is only a cache: an object file that does not load (a crash after
+                # the rename, another build's cleanup unlinking it) is compiled again and
+                # replaced, instead of failing every call of this variant in every process.
+                log.warning("moe_ops: cannot load the cached Blackwell kernel %s (%s); "
+                            "compiling it", path, e)
+        if function is None:
             function = _compile(key)
             try:
                 _store(function, key, path)
@@ -336,6 +358,27 @@ def _kernel(key: KernelKey, *, use_cache: bool = True) -> CompiledKernel:
         k = CompiledKernel(key, function, path, source, time.perf_counter() - t0)
         _loaded[key] = k
         return k
+
+
+_unbuildable: dict = {}  # KernelKey -> why its compile or load failed in this process
+
+
+def kernel_or_decline(key: KernelKey) -> CompiledKernel:
+    """``_kernel(key)`` for a call, or NotImplementedError (so Triton serves it) where the DSL
+    cannot build or load the variant: an nvidia-cutlass-dsl other than the tested one (the kernel
+    uses its cutlass.utils.gemm.sm100 and tensor_utils modules), a missing CUDA toolchain piece.
+    A failure is remembered for the process: compiling takes 0.6-5 s, too long to retry per call.
+    """
+    if key in _unbuildable:
+        raise NotImplementedError(_unbuildable[key])
+    try:
+        return _kernel(key)
+    except Exception as e:  # noqa: BLE001 - any DSL failure; the message names it
+        first = (str(e).splitlines() or [""])[0][:200]
+        why = f"the CuTe DSL could not build {key.name} ({type(e).__name__}: {first})"
+        _unbuildable[key] = why
+        log.warning("moe_ops: %s; Triton serves it", why)
+        raise NotImplementedError(why) from None
 
 
 def _store(function, key: KernelKey, path: Path) -> None:
@@ -408,7 +451,7 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias) -> torch.Tensor:
         per = pl.M // pl.G
         offs = torch.arange(per, pl.M + 1, per, dtype=torch.int32, device=mat_a.device)[: pl.G]
     offs = offs.to(torch.int32)  # values <= M < 2^31 (plan checked M)
-    k = _kernel(pl.key)
+    k = kernel_or_decline(pl.key)
     # Upper bound on the tiles of the schedule: sum over groups 0..G of ceil(rows / 128) is
     # at most M / 128 + G + 1; more CTAs than tiles would only idle.
     n_tiles = -(-pl.N // pl.key.tile_n)
