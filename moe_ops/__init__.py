@@ -48,8 +48,8 @@ def grouped_mm(
       below the extent. Rows (2Dx3D) or columns (3Dx2D) past offs[-1] are exactly zero; an empty
       group gives zero rows, and in 2Dx2D an exactly zero [M, N] slice.
     * dtypes: float32, bfloat16, float16, float64; mat_a and mat_b share one. Accumulation is in
-      float32 (float64 for float64 inputs). out_dtype is None (the input dtype) or float32 for
-      bfloat16/float16 inputs.
+      float32 (float64 for float64 inputs). out_dtype is None or the input dtype (the same), or
+      float32 for bfloat16/float16 inputs.
     * bias: optional [G, N] in the inputs' dtype, for 2Dx3D and 3Dx3D, added in the
       accumulation precision before the final cast.
     * Any strides; no alignment requirement. The result is a new contiguous tensor.
@@ -69,7 +69,7 @@ def grouped_mm(
         mat_b: [G, K, N] or [K, N], mat_a's dtype.
         offs: [G] cumulative group ends, or None for 3D x 3D.
         bias: [G, N] or None.
-        out_dtype: None or torch.float32.
+        out_dtype: None, mat_a's dtype, or torch.float32 for bfloat16/float16 inputs.
 
     Returns:
         [M, N] for 2Dx3D and 3Dx2D, [G, M, N] for 2Dx2D and 3Dx3D, in out_dtype.

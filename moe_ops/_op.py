@@ -47,6 +47,7 @@ def kernel_counts() -> dict:
 
 
 def reset_kernel_counts() -> None:
+    """Forgets the counts ``kernel_counts`` reports (for all threads of the process)."""
     with _counts_lock:
         _counts.clear()
 

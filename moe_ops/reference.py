@@ -35,7 +35,7 @@ def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         offs: [G] int32/int64 cumulative group ends over the ragged dimension (M for 2Dx3D,
             K for 2Dx2D, N for 3Dx2D); None for 3Dx3D.
         bias: optional [G, N] in the inputs' dtype (2Dx3D and 3Dx3D only).
-        out_dtype: None (the inputs' dtype) or torch.float32 for bf16/fp16 inputs.
+        out_dtype: None or the inputs' dtype (the same), or torch.float32 for bf16/fp16 inputs.
 
     Returns:
         A new contiguous tensor: [M, N] (2Dx3D, 3Dx2D) or [G, M, N] (2Dx2D, 3Dx3D). Rows

@@ -178,19 +178,21 @@ def _re(fragment: str) -> str:
 @st.composite
 def _torch_accepted_cases(draw):
     """Cases torch._grouped_mm's CPU path accepts: its dtypes (float32, bfloat16, float16),
-    int32 offs, no bias or out_dtype, unit-stride rows or columns 16 bytes apart (sizes of 8s),
-    G >= 1, offs ending at or below the extent (empty groups included)."""
+    int32 offs, no bias, out_dtype None or the inputs' dtype (the only one it admits), unit-stride
+    rows or columns 16 bytes apart (sizes of 8s), G >= 1, offs ending at or below the extent
+    (empty groups included)."""
     layout = draw(st.sampled_from(("2d3d", "2d2d", "3d3d", "3d2d")))
     G = draw(st.integers(1, 4))
     M, K, N = (draw(st.sampled_from((8, 16, 24, 40))) for _ in range(3))
     extent = {"2d3d": M, "2d2d": K, "3d2d": N, "3d3d": None}[layout]
+    dtype = draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16)))
     return Case(
-        layout=layout, G=G, M=M, K=K, N=N,
-        dtype=draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16))),
+        layout=layout, G=G, M=M, K=K, N=N, dtype=dtype,
         offs=None if extent is None else draw(partitions(G, extent)), offs_dtype=torch.int32,
         stride_a=draw(st.sampled_from(("contiguous", "transposed"))),
         stride_b=draw(st.sampled_from(("contiguous", "transposed"))),
-        bias=False, out_dtype=None, seed=draw(st.integers(0, 2**31 - 1)),
+        bias=False, out_dtype=draw(st.sampled_from((None, dtype))),
+        seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
@@ -208,9 +210,10 @@ def _defined(out, case: Case, offs):
 def test_accepts_what_torch_grouped_mm_accepts(case):
     """Shape and dtype equal torch._grouped_mm's; values within the tolerance rule, with
     torch._grouped_mm's result as the plain computation in the inputs' precision."""
-    a, b, offs, _, _ = build(case)
-    want = torch._grouped_mm(a, b, offs)  # raises if the strategy drew a call it refuses
-    got = moe_ops.grouped_mm(a, b, offs)
+    a, b, offs, _, out_dtype = build(case)
+    # Raises if the strategy drew a call it refuses.
+    want = torch._grouped_mm(a, b, offs, out_dtype=out_dtype)
+    got = moe_ops.grouped_mm(a, b, offs, out_dtype=out_dtype)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert_close(_defined(got, case, offs), _defined(oracle(a, b, offs), case, offs),
                  _defined(want, case, offs), _defined(magnitude(a, b, offs), case, offs),
