@@ -89,7 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # The suite's defaults are the H200 run of 2026-11-30 (5 examples, 170 s; the suite took 119 s
     # with the tests after test_cuda_gpu_check.py at 60 examples): 20 examples had never run on a
     # GPU and would likely pass --suite-s and report the suite as timed out.
-    p.add_argument("--suite-s", type=float, default=170.0, help="at most this long for the test suite (s)")
+    p.add_argument("--suite-s", type=float, default=170.0,
+                   help="at most this long for the test suite (s)")
     p.add_argument("--examples", type=int, default=5, help="hypothesis examples per property test")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated routed-row counts M")
