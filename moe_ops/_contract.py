@@ -246,13 +246,14 @@ def prepare_offs(offs, extent, kernel_clamps: bool = False):
 
 
 _checked = threading.local()
+_OFF = ("", "0", "false", "no", "off")  # MOE_OPS_CHECKED values that leave checked mode off
 
 
 def checked_mode() -> bool:
     """True when offs values are validated on accelerators too (costs one host sync per call)."""
     flag = getattr(_checked, "on", None)
     if flag is None:
-        return os.environ.get("MOE_OPS_CHECKED", "0") not in ("", "0")
+        return os.environ.get("MOE_OPS_CHECKED", "").strip().lower() not in _OFF
     return flag
 
 
@@ -260,7 +261,8 @@ def checked_mode() -> bool:
 def checked(enabled: bool = True):
     """Context manager: validate offs values on every device (raises like on CPU, syncs the host).
 
-    The environment variable MOE_OPS_CHECKED=1 turns it on for a whole process.
+    The environment variable MOE_OPS_CHECKED=1 turns it on for a whole process (any value but
+    an empty one, 0, false, no or off, in any case).
     """
     prev = getattr(_checked, "on", None)
     _checked.on = enabled

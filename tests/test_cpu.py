@@ -1385,6 +1385,26 @@ def test_decode_benchmark_refuses_to_time_a_nan_result(monkeypatch):
         decode.bench_model("tiny", 4, 2, 64, 64, torch.float32, 8, 1, 1 << 20, "gkn")
 
 
+def test_env_values_the_cpu_module_would_misread_are_reported():
+    """MOE_OPS_CPU_ISA and MOE_OPS_CPU_CACHE_MB are read by the C++ module, which ignores an
+    unknown instruction set (no cap) and reads a cache size with atoll ("1g" is 1 MiB, "abc" 0:
+    the cache off); _load() logs each of these once instead of the silence there was."""
+    from moe_ops.backends.cpu import env_problems
+
+    assert env_problems({}) == []
+    for good in ("generic", "avx2", "avx512", "avx512_bf16", "amx"):
+        assert env_problems({"MOE_OPS_CPU_ISA": good}) == []
+    for good in ("0", "512", " 64 "):
+        assert env_problems({"MOE_OPS_CPU_CACHE_MB": good}) == []
+    for bad in ("AVX2", "avx512bf16", ""):
+        (msg,) = env_problems({"MOE_OPS_CPU_ISA": bad})
+        assert "not capped" in msg
+    for bad, reads in (("abc", "0 (the output cache off)"), ("1g", "1"), ("-5", "0 (the output"),
+                       ("\u00b2", "0 (the")):
+        (msg,) = env_problems({"MOE_OPS_CPU_CACHE_MB": bad})
+        assert "reads as " + reads in msg, (bad, msg)
+
+
 def test_benchmark_memory_floor():
     """The floor is bytes of the G expert matrices / bandwidth, over the dense time, at least 1."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))

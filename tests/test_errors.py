@@ -162,6 +162,12 @@ def test_checked_mode_switch(monkeypatch):
     assert not _contract.checked_mode()
     monkeypatch.setenv("MOE_OPS_CHECKED", "1")
     assert _contract.checked_mode()
+    for off in ("", "0", "false", "False", "NO", " off "):  # "false" once turned it on
+        monkeypatch.setenv("MOE_OPS_CHECKED", off)
+        assert not _contract.checked_mode(), off
+    for on in ("1", "true", "yes"):
+        monkeypatch.setenv("MOE_OPS_CHECKED", on)
+        assert _contract.checked_mode(), on
 
 
 def test_sanitize_offs_is_identity_on_valid_and_clamps_invalid():

@@ -107,7 +107,9 @@ void unmap_block(void* p, size_t bytes) {
 
 int64_t default_limit() {
   const char* env = std::getenv("MOE_OPS_CPU_CACHE_MB");
-  if (env != nullptr && *env != '\0') return std::max<int64_t>(0, std::atoll(env)) << 20;
+  // Clamped to 2^40 MiB before the shift: atoll saturates "99999999999999999999" at 2^63 - 1,
+  // and shifting that left is undefined.
+  if (env != nullptr && *env != '\0') return std::clamp<int64_t>(std::atoll(env), 0, int64_t(1) << 40) << 20;
   int64_t mem = int64_t(16) << 30;
 #if defined(__linux__)
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);

@@ -49,6 +49,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import sys
 
 import torch
@@ -66,6 +67,28 @@ _kernel_names: dict = {}
 _kernel = None  # torch.ops.moe_cpu.grouped_mm.default once loaded (the overload: no resolution per call)
 
 
+_ISA_NAMES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # machine_isa() in grouped_mm.cpp
+
+
+def env_problems(environ=os.environ) -> list:
+    """The CPU backend's environment variables that the C++ module would silently misread: an
+    ``MOE_OPS_CPU_ISA`` it does not know caps nothing, an ``MOE_OPS_CPU_CACHE_MB`` that is not a
+    whole number of MiB reads as its leading digits (atoll; none: 0, the cache off). One message per
+    problem."""
+    problems = []
+    isa = environ.get("MOE_OPS_CPU_ISA")
+    if isa is not None and isa not in _ISA_NAMES:
+        problems.append(f"MOE_OPS_CPU_ISA={isa!r} is not one of {', '.join(_ISA_NAMES)} (lower "
+                        "case): the instruction set is not capped")
+    mb = environ.get("MOE_OPS_CPU_CACHE_MB")
+    if mb and not re.fullmatch(r"\s*\d+\s*", mb, re.ASCII):
+        digits = re.match(r"\s*([+-]?\d*)", mb, re.ASCII).group(1)  # what atoll reads
+        value = max(0, int(digits)) if digits.lstrip("+-") else 0
+        problems.append(f"MOE_OPS_CPU_CACHE_MB={mb!r} is not a whole number of MiB: it reads as "
+                        f"{value}" + (" (the output cache off)" if value == 0 else ""))
+    return problems
+
+
 def _load() -> bool:
     """Import moe_ops._cpu once (it registers torch.ops.moe_cpu); False, with a reason, if absent."""
     global _loaded, _why_not, _kernel
@@ -74,6 +97,8 @@ def _load() -> bool:
             importlib.import_module("moe_ops._cpu")
             _kernel = torch.ops.moe_cpu.grouped_mm.default
             _loaded = True
+            for problem in env_problems():
+                log.warning("moe_ops: %s", problem)
         except (ImportError, OSError) as e:
             _loaded = False
             _why_not = (f"the C++ extension moe_ops._cpu cannot be loaded ({type(e).__name__}: {e}); "
