@@ -230,6 +230,14 @@ def targets(rows: list) -> str:
         lines.append(f"{r['shape']:<22} {r['mode']:<5} {r['dtype']:<4} moe_ops x{op['ratio']:.2f} "
                      f"(p25-p75 x{op['p25_ms'] / r['peers'][DENSE]['median_ms']:.2f}-"
                      f"x{op['p75_ms'] / r['peers'][DENSE]['median_ms']:.2f}), target <= {goal:.2f}: {verdict}{floor}{vs}")
+    # The issue's last target covers every benchmark shape, the models' ones included.
+    both = [r for r in rows
+            if all("median_ms" in r["peers"].get(name, {}) for name in (OP, GROUPED_MM))]
+    slower = [f"{r['shape']} {r['mode']} {r['dtype']}" for r in both
+              if r["peers"][OP]["median_ms"] > r["peers"][GROUPED_MM]["median_ms"]]
+    if both:
+        lines.append(f"never slower than torch._grouped_mm: {len(both) - len(slower)} of "
+                     f"{len(both)} cases" + (f"; SLOWER on {', '.join(slower)}" if slower else ""))
     return "\n".join(lines)
 
 

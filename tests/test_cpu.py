@@ -1405,6 +1405,26 @@ def test_env_values_the_cpu_module_would_misread_are_reported():
         assert "reads as " + reads in msg, (bad, msg)
 
 
+def test_benchmark_targets_compare_with_grouped_mm_on_every_shape(monkeypatch):
+    """bench.py's targets: the ratio targets for issue #6's shapes, and "never slower than
+    torch._grouped_mm" over every case, the models' ones too (it once looked at the issue's
+    shapes only). Made-up rows: medians in ms."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import bench
+
+    def row(source, shape, G, ours, gmm, dense=1.0):
+        peers = {bench.DENSE: {"median_ms": dense},
+                 bench.OP: {"median_ms": ours, "ratio": ours / dense, "p25_ms": ours, "p75_ms": ours},
+                 bench.GROUPED_MM: {"median_ms": gmm, "ratio": gmm / dense}}
+        return dict(source=source, shape=shape, G=G, mode="fwd", dtype="bf16", peers=peers)
+
+    text = bench.targets([row("issue #6", "G64 M2048 K512 N512", 64, 1.2, 2.0),
+                          row("models", "OLMoE /2", 64, 1.5, 1.4)])
+    assert "target <= 1.30: met" in text and "OLMoE" not in text.splitlines()[0]
+    assert text.splitlines()[-1] == ("never slower than torch._grouped_mm: 1 of 2 cases; "
+                                     "SLOWER on OLMoE /2 fwd bf16")
+
+
 def test_benchmark_memory_floor():
     """The floor is bytes of the G expert matrices / bandwidth, over the dense time, at least 1."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
