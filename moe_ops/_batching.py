@@ -124,13 +124,16 @@ def _sorted_rows(mat_a, a_dim, mat_b, rows, bias, out_dtype, p):
     index = torch.arange(M, device=rows.device, dtype=torch.int64).expand(batch, M).contiguous()
     group = torch.searchsorted(rows.contiguous(), index, right=True).flatten()  # [B * M], G: past every group
     order = torch.sort(group, stable=True).indices
+    # Out of place: rows (so group) may be batched by an outer vmap where offs values are not
+    # read (an accelerator, torch.compile), and vmap refuses an in-place scatter of a batched
+    # index into the unbatched zeros.
     counts = torch.zeros(p.G + 1, dtype=torch.int64, device=rows.device)
-    counts.scatter_add_(0, group, torch.ones_like(group))
+    counts = counts.scatter_add(0, group, torch.ones_like(group))
     # Indexing, not index_select: torch_xla 2.9 aborts (XLA:CPU, "Check failed: buffer !=
     # nullptr") on index_select whose index is a sort's output as it stands.
     out = torch.ops.moe.grouped_mm(_major(mat_a, a_dim, 0)[order], mat_b, torch.cumsum(counts[:-1], 0), bias,
                                    out_dtype)
-    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    back = torch.empty_like(order).scatter(0, order, torch.arange(order.numel(), device=order.device))
     return out[back].unflatten(0, (batch, M))
 
 
@@ -151,7 +154,8 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
     op = torch.ops.moe.grouped_mm
     # vmap's layer runs before the Autocast kernel: apply its casts first, as it would per sample.
     device_type = mat_a.device.type
-    if torch.is_autocast_enabled(device_type):
+    # Only device types autocast knows: is_autocast_enabled raises for others (meta tensors).
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         mat_a, mat_b, bias = (_contract.autocast_cast(t, dtype) for t in (mat_a, mat_b, bias))
     one = _sample if batch > 0 else _empty_sample
@@ -159,7 +163,16 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
     if batch == 0:
         if offs is not None and offs_dim is None and not _outer_level(offs):
             _offs_rows(offs, None, 1, p.extent)  # shared offs: checked as a call checks them
-        return mat_a.new_zeros((0, *p.out_shape), dtype=p.out_dtype), 0
+        out = mat_a.new_zeros((0, *p.out_shape), dtype=p.out_dtype)
+        # Connected to the inputs as a call would be (an empty result, so zero gradients and
+        # tangents, whatever the inputs hold): without it, loss.backward() over an empty batch
+        # raised "element 0 of tensors does not require grad". Reverse mode only: forward-mode
+        # tangents need no node, and unpack_dual has no batching rule (jacfwd over K = 0 maps
+        # over 0 tangents inside another vmap).
+        for t in (mat_a, mat_b, bias):
+            if t is not None and torch.is_grad_enabled() and t.requires_grad:
+                out = out + t.sum().to(out.dtype)
+        return out, 0
     if offs is not None and _outer_level(offs) and _values_readable(offs):
         # Calls per sample hand offs to the outer level's rule, which reads and checks them.
         return _loop(op, batch, in_dims, (mat_a, mat_b, offs, bias), out_dtype)

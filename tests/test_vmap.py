@@ -153,6 +153,14 @@ def test_offs_values_are_checked_per_sample(layout):
         vmap(lambda x, o: moe_ops.grouped_mm(x, b, o))(a[:2], rows)  # one call per sample
 
 
+def test_vmap_over_meta_tensors():
+    """Shapes only, as a call on meta tensors gives them: the rule asked autocast about device
+    type "meta", which it does not know (RuntimeError). mat_a [3, 4, 3] batched, offs [2]."""
+    a, b = torch.empty(3, 4, 3, device="meta"), torch.empty(2, 3, 2, device="meta")
+    offs = torch.tensor([1, 3], device="meta")
+    assert vmap(lambda x: moe_ops.grouped_mm(x, b, offs))(a).shape == (3, 4, 2)
+
+
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
 def test_empty_batch(layout):
     """A batch of size 0: the result's shape, and the checks of a call (devices, shared offs)."""
@@ -165,6 +173,11 @@ def test_empty_batch(layout):
         vmap(lambda x: moe_ops.grouped_mm(x, b.to("meta"), offs))(a)
     with pytest.raises(ValueError, match="must be non-decreasing"):
         vmap(lambda x: moe_ops.grouped_mm(x, b, offs.flip(0)))(a)
+    # Plain autograd: the empty result is connected to the inputs, as torch.mm's is under vmap
+    # (the rule's fresh zeros were not, and backward raised), and their gradients are zeros.
+    x, w = a.clone().requires_grad_(), b.clone().requires_grad_()
+    vmap(lambda x: moe_ops.grouped_mm(x, w, offs))(x).sum().backward()
+    assert x.grad.shape == x.shape and torch.count_nonzero(w.grad) == 0
 
 
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
@@ -289,6 +302,21 @@ def test_compiled_vmap():
     got = compiled(a, bs, rows)
     clamped = torch.cummax(rows.clamp(0, 10), 1).values
     torch.testing.assert_close(got, torch.stack([oracle(a[s], bs[s], clamped[s]) for s in range(3)]))
+
+
+def test_compiled_nested_vmap_over_per_sample_routing():
+    """Two vmaps over per-sample routing (2Dx3D, mat_a [2, 3, 10, 6] and offs [2, 3, 3] int64
+    batched at both levels, mat_b shared) under torch.compile, where offs values cannot be read:
+    the inner level sorts the rows of its samples by group, with an index batched by the outer
+    level, which vmap cannot scatter in place into unbatched counts (it raised)."""
+    a, b, offs = _problem("2d3d")
+    a = torch.stack([a, -a])
+    rows = torch.stack([torch.stack([offs, torch.tensor([0, 6, 6]), torch.tensor([4, 9, 10])]),
+                        torch.stack([torch.tensor([10, 10, 10]), torch.tensor([0, 0, 0]), offs])])
+    f = vmap(vmap(lambda x, o: moe_ops.grouped_mm(x, b, o)))
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(a, rows)
+    want = [[oracle(a[i, j], b, rows[i, j]) for j in range(3)] for i in range(2)]
+    torch.testing.assert_close(got, torch.stack([torch.stack(w) for w in want]))
 
 
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
