@@ -85,7 +85,8 @@ def test_the_reference_called_directly_has_forward_mode_ad(layout, bias):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("layout,bias", [("2d3d", True), ("2d2d", False), ("3d2d", False)])
+@pytest.mark.parametrize("layout,bias",
+                         [("2d3d", True), ("2d2d", False), ("3d3d", True), ("3d2d", False)])
 def test_gradgradcheck(layout, bias):
     leaves, offs = _problem(layout, bias=bias)
     assert torch.autograd.gradgradcheck(_fn(offs, bias), leaves)
@@ -115,6 +116,24 @@ def test_empty_groups_get_exactly_zero_gradients():
     (a, b), offs = _problem("3d2d")  # group 1 is empty, column 3 is past offs[-1]
     moe_ops.grouped_mm(a, b, offs).pow(2).sum().backward()
     assert torch.count_nonzero(a.grad[1]) == 0 and torch.count_nonzero(b.grad[:, 3:]) == 0
+
+
+@pytest.mark.parametrize("layout,bias", [("2d3d", True), ("3d2d", False)])
+def test_nan_gradient_of_the_zero_tail_reaches_nothing(layout, bias):
+    """The result past offs[-1] (2d3d rows 6+, 3d2d columns 3+) is the constant zero, so the
+    incoming gradient there, NaN here, reaches no input: the gradients equal the oracle's with
+    that part of the incoming gradient zeroed. float64, small_problem."""
+    leaves, offs = _problem(layout, bias=bias, seed=2)
+    out = _fn(offs, bias)(*leaves)
+    grad = torch.randn(out.shape, dtype=f64)
+    tail = (slice(6, None),) if layout == "2d3d" else (slice(None), slice(3, None))
+    clean = grad.clone()
+    clean[tail] = 0
+    grad[tail] = float("nan")
+    got = torch.autograd.grad(out, leaves, grad)
+    want = torch.autograd.grad(oracle(*leaves[:2], offs, leaves[2] if bias else None), leaves, clean)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("layout,bias", CASES)
