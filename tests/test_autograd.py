@@ -6,7 +6,9 @@ Categories:
 * exactly zero gradients for empty groups and for rows / columns outside every group;
 * dtypes: bf16 inputs with out_dtype=float32 give bf16 gradients; a stride-0 incoming
   gradient (``y.sum().backward()``, which torch._grouped_mm rejects) works;
-* the backward runs the op itself (its kernel calls are counted).
+* the backward runs the op itself (its kernel calls are counted);
+* activation checkpointing (reentrant, non-reentrant, selective with the op saved or recomputed)
+  and saved-tensor hooks give the same gradients.
 
 Every test runs against both Autograd kernels of the op, the C++ one and the Python one (the
 ``autograd_kernel`` fixture of conftest.py).
@@ -134,6 +136,58 @@ def test_nan_gradient_of_the_zero_tail_reaches_nothing(layout, bias):
     want = torch.autograd.grad(oracle(*leaves[:2], offs, leaves[2] if bias else None), leaves, clean)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def _selective(policy):
+    """context_fn for selective activation checkpointing: ``policy`` for the op, recompute for
+    everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def choose(ctx, op, *args, **kwargs):
+        return policy if op is torch.ops.moe.grouped_mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return lambda: create_selective_checkpoint_contexts(choose)
+
+
+@pytest.mark.parametrize("layout,bias", [("2d3d", True), ("2d2d", False)])
+def test_activation_checkpointing_and_saved_tensor_hooks(layout, bias):
+    """What MoE training wraps expert layers in: torch.utils.checkpoint (reentrant, not, and
+    selective with the op's result saved or recomputed) and saved_tensors_hooks (offloading
+    packs every saved tensor) give the gradients of a plain backward, bit for bit (the same
+    kernels on the same values). float64, small_problem, a sin after the op."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+    leaves, offs = _problem(layout, bias=bias, seed=3)
+
+    def f(*xs):
+        return _fn(offs, bias)(*[x * 1.5 for x in xs]).sin()
+
+    grad = torch.randn(f(*leaves).shape, dtype=f64)
+
+    def grads(out):  # .backward, not autograd.grad: reentrant checkpointing refuses the latter
+        for leaf in leaves:
+            leaf.grad = None
+        out.backward(grad)
+        return [leaf.grad for leaf in leaves]
+
+    want = grads(f(*leaves))
+    variants = {
+        "reentrant": dict(use_reentrant=True),
+        "non-reentrant": dict(use_reentrant=False),
+        "selective, op saved": dict(use_reentrant=False,
+                                    context_fn=_selective(CheckpointPolicy.MUST_SAVE)),
+        "selective, op recomputed": dict(use_reentrant=False,
+                                         context_fn=_selective(CheckpointPolicy.PREFER_RECOMPUTE)),
+    }
+    for name, kwargs in variants.items():
+        got = grads(checkpoint(f, *leaves, **kwargs))
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), name
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t.clone(),
+                                                  lambda t: t):
+        out = f(*leaves)
+    assert leaves[0].shape in packed and leaves[1].shape in packed, packed  # the op's a and b
+    assert all(torch.equal(g, w) for g, w in zip(grads(out), want)), "saved_tensors_hooks"
 
 
 @pytest.mark.parametrize("layout,bias", CASES)
