@@ -17,6 +17,8 @@ Steps, each recorded in the JSON:
 3. forward (2D x 3D), input gradient (2D x 3D, transposed weights) and weight gradient (2D x 2D)
    timed against a dense matmul with the same FLOPs on the same device (medians of --iters runs
    after warm-up); group sizes from a Dirichlet(1) split.
+The JSON (default $OUT/neuron_check.json when $OUT is set) is rewritten after every step, a step
+that raises is recorded there, and the steps are bounded (--cases-s, --simulate-s).
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ def pick_device(requested: str | None):
 
 def synchronize(device, result):
     if device.type == "xla":
-        importlib.import_module("torch_xla").sync()
-        importlib.import_module("torch_xla.core.xla_model").wait_device_ops()
+        xm = importlib.import_module("torch_xla.core.xla_model")
+        # torch_xla.sync() is new (2.5-ish); torch-neuronx's older torch_xla has only mark_step.
+        getattr(importlib.import_module("torch_xla"), "sync", xm.mark_step)()
+        xm.wait_device_ops()
     elif device.type != "cpu":
         try:
             torch.accelerator.synchronize(device)
@@ -85,18 +89,24 @@ def synchronize(device, result):
             result.reshape(-1)[:1].cpu()
 
 
-def property_cases(device, examples: int) -> dict:
+def property_cases(device, examples: int, budget_s: float = float("inf")) -> dict:
     from hypothesis import HealthCheck, given, settings
 
     from oracle import magnitude, oracle
     from strategies import build, cases
 
-    report = {"examples": 0, "failures": [], "kernels": {}}
+    report = {"examples": 0, "failures": [], "kernels": {}, "skipped_for_time": 0}
+    # Natively every new shape is a neuronx-cc compile: the cases drawn after budget_s are
+    # counted, not run, so that the benchmarks still get their share of the loan.
+    deadline = time.perf_counter() + budget_s
 
     @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
     @given(case=cases(dtypes=(torch.float32, torch.bfloat16, torch.float16)))
     def run(case):
+        if time.perf_counter() > deadline:
+            report["skipped_for_time"] += 1
+            return
         a, b, offs, bias, out_dtype = build(case)
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         moe_ops.reset_kernel_counts()
@@ -114,9 +124,14 @@ def property_cases(device, examples: int) -> dict:
     return report
 
 
-def nki_simulate_tests() -> dict:
+def nki_simulate_tests(timeout_s: float = 180.0) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", os.path.join(ROOT, "tests", "test_neuron_nki.py"), "-m", "nki_simulate"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    try:  # bounded: a hung simulator must not eat the rest of the loan (the benchmarks run after it)
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"command": " ".join(cmd[1:]), "returncode": None, "timed_out_after_s": timeout_s,
+                "tail": tail[-3000:]}
     return {"command": " ".join(cmd[1:]), "returncode": done.returncode, "tail": done.stdout[-3000:]}
 
 
@@ -155,13 +170,18 @@ def benchmarks(device, shapes, iters: int, dtype=torch.bfloat16) -> list:
             "input grad 2d3d (w transposed)": lambda: moe_ops.grouped_mm(dy, w.transpose(1, 2), offs),
             "weight grad 2d2d": lambda: moe_ops.grouped_mm(x.t(), dy, offs),
         }
-        dense = _time(lambda: torch.matmul(dense_a, dense_b), device, iters)
+        try:  # the baseline failing must not cost the grouped rows
+            dense = _time(lambda: torch.matmul(dense_a, dense_b), device, iters)
+        except Exception as e:  # noqa: BLE001
+            dense = None
+            rows.append({"case": "dense", "G": G, "M": M, "K": K, "N": N, "error": f"{type(e).__name__}: {e}"})
         for name, fn in cases.items():
             moe_ops.reset_kernel_counts()
             try:
                 t = _time(fn, device, iters)
                 rows.append({"case": name, "G": G, "M": M, "K": K, "N": N, "dtype": str(dtype), "seconds": t,
-                             "dense_seconds": dense, "x_dense": t / dense, "tflops": flops / t / 1e12,
+                             "dense_seconds": dense, "x_dense": t / dense if dense else None,
+                             "tflops": flops / t / 1e12,
                              "kernels": moe_ops.kernel_counts()})
             except Exception as e:  # noqa: BLE001
                 rows.append({"case": name, "G": G, "M": M, "K": K, "N": N, "error": f"{type(e).__name__}: {e}",
@@ -169,37 +189,64 @@ def benchmarks(device, shapes, iters: int, dtype=torch.bfloat16) -> list:
     return rows
 
 
-def main():
+def _step(result: dict, name: str, out: str, fn) -> None:
+    """result[name] = fn(), or the traceback if it raised; the JSON is rewritten after every step,
+    so a crash or a cut-off loan keeps what the earlier steps measured."""
+    try:
+        result[name] = fn()
+    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt/SystemExit too: write, then re-raise
+        result[name] = {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-3000:]}
+        if not isinstance(e, Exception):
+            _write(result, out)
+            raise
+    _write(result, out)
+
+
+def _write(result: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="neuron_check.json")
+    # $OUT is the folder that comes back from a lent machine; a file in the cwd would not.
+    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "neuron_check.json") if os.environ.get("OUT")
+                    else "neuron_check.json")
     ap.add_argument("--device", default=None, help="override the device (e.g. cpu for a plumbing check)")
     ap.add_argument("--examples", type=int, default=60, help="property cases to draw")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cases-s", type=float, default=240.0, help="no property case starts after this long (s)")
+    ap.add_argument("--simulate-s", type=float, default=180.0, help="at most this long for the nki.simulate tests")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few examples (plumbing check)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = pick_device(args.device)
     shapes = [(4, 512, 128, 256)] if args.quick else SHAPES
     examples, iters = (5, 2) if args.quick else (args.examples, args.iters)
-    result = {
-        "environment": {"python": platform.python_version(), "machine": platform.machine(), "device": str(device),
-                        "privateuse1": torch._C._get_privateuse1_backend_name(),
-                        **{m: _version(m) for m in ("torch", "torch_neuronx", "torch_xla", "nki", "neuronxcc")},
-                        "moe_ops": moe_ops.__version__,
-                        "neuron_status": next(s.detail for s in moe_ops.backends.statuses() if s.name == "neuron")},
-        "property_cases": property_cases(device, examples),
-        "nki_simulate_tests": nki_simulate_tests(),
-        "benchmarks": benchmarks(device, shapes, iters),
-    }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    result = {}
+
+    def environment():
+        statuses = [s.detail for s in moe_ops.backends.statuses() if s.name == "neuron"]
+        return {"python": platform.python_version(), "machine": platform.machine(), "device": str(device),
+                "privateuse1": torch._C._get_privateuse1_backend_name(),
+                **{m: _version(m) for m in ("torch", "torch_neuronx", "torch_xla", "nki", "neuronxcc")},
+                "moe_ops": moe_ops.__version__, "neuron_status": statuses[0] if statuses else None}
+
+    _step(result, "environment", args.out, environment)
+    _step(result, "property_cases", args.out, lambda: property_cases(device, examples, args.cases_s))
+    _step(result, "nki_simulate_tests", args.out, lambda: nki_simulate_tests(args.simulate_s))
+    _step(result, "benchmarks", args.out, lambda: benchmarks(device, shapes, iters))
     p = result["property_cases"]
-    print(f"{device}: {p['examples']} property cases, {len(p['failures'])} failures, kernels {p['kernels']}; "
-          f"nki.simulate tests rc={result['nki_simulate_tests']['returncode']}; wrote {args.out}")
-    for r in result["benchmarks"]:
+    failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    print(f"{device}: {p.get('examples')} property cases, {len(p.get('failures', []))} failures, kernels "
+          f"{p.get('kernels')}; nki.simulate tests rc={result['nki_simulate_tests'].get('returncode')}; "
+          f"steps that raised: {failed}; wrote {args.out}")
+    for r in result["benchmarks"] if isinstance(result["benchmarks"], list) else []:
         print(f"  {r['case']:32s} G={r['G']} M={r['M']} K={r['K']} N={r['N']}: "
-              + (f"{r['seconds'] * 1e3:.2f} ms, x{r['x_dense']:.2f} dense, {r['kernels']}" if "seconds" in r
+              + (f"{r['seconds'] * 1e3:.2f} ms, x{r['x_dense'] or float('nan'):.2f} dense, "
+                 f"{r['kernels']}" if "seconds" in r
                  else r["error"]))
-    return 1 if p["failures"] else 0
+    return 1 if failed or p.get("failures") else 0
 
 
 if __name__ == "__main__":

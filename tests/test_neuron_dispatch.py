@@ -139,3 +139,30 @@ def test_importing_moe_ops_imports_no_neuron_toolchain():
     assert mode_detail.startswith("emulator | ")
     if not neuron.nki_status()[0]:
         assert neuron.NKI_MISSING in mode_detail and "not AWS's simulator" in mode_detail
+
+
+def test_neuron_check_keeps_what_it_measured_when_a_step_fails(tmp_path, monkeypatch):
+    """benchmarks/neuron_check.py runs once on a lent Trainium machine: a step that raises (here
+    the benchmarks, standing for a Neuron compile or runtime error) is recorded and the JSON,
+    rewritten after every step, keeps the earlier steps. It used to be written only at the end,
+    so such a failure lost the whole run. --device cpu --quick: 5 property cases on CPU."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "neuron_check.py"
+    spec = importlib.util.spec_from_file_location("neuron_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def device_failure(*args, **kwargs):
+        raise RuntimeError("stand-in for a device failure")
+
+    monkeypatch.setattr(script, "benchmarks", device_failure)
+    # The script's own pytest subprocess, not under test here (and slow on a shared CPU).
+    monkeypatch.setattr(script, "nki_simulate_tests", lambda *args: {"returncode": 0})
+    out = tmp_path / "neuron_check.json"
+    assert script.main(["--device", "cpu", "--quick", "--out", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert result["property_cases"]["examples"] == 5 and not result["property_cases"]["failures"]
+    assert "stand-in for a device failure" in result["benchmarks"]["error"]
