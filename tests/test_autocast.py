@@ -84,3 +84,16 @@ def test_compile_under_autocast():
 
     got = torch.compile(f, backend="aot_eager", fullgraph=True)(a, b, offs, bias)
     assert got.dtype == bf16 and torch.equal(got, f(a, b, offs, bias))
+
+
+def test_integer_inputs_are_not_cast():
+    """README "Autocast": only floating inputs are cast, so integer matrices are refused under
+    autocast as outside it (a cast would silently compute with them). Shapes: mat_a [10, 16],
+    mat_b [3, 16, 8] int32, offs [3] int32; also vmapped over a batch of 2 of mat_a."""
+    a, b, offs, _ = _inputs()
+    ia, ib = a.to(torch.int32), b.to(torch.int32)
+    with torch.autocast("cpu", dtype=bf16):
+        with pytest.raises(TypeError, match="mat_a has unsupported dtype torch.int32"):
+            moe_ops.grouped_mm(ia, ib, offs)
+        with pytest.raises(TypeError, match="mat_a has unsupported dtype torch.int32"):
+            torch.vmap(moe_ops.grouped_mm, in_dims=(0, None, None))(torch.stack([ia, ia]), ib, offs)

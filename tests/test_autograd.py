@@ -53,6 +53,31 @@ def test_gradcheck(layout, bias):
     assert torch.autograd.gradcheck(_fn(offs, bias), leaves)
 
 
+@pytest.mark.parametrize("layout", ["2d3d", "3d2d"])
+def test_the_reference_called_directly_keeps_nan_tails_out_of_gradients(layout):
+    """NaN in the rows (2Dx3D) or columns (3Dx2D) past offs[-1], as in padding, reach no
+    gradient of moe_ops.reference.grouped_mm: its block formulation's padding slots read the
+    last row, which must be masked out, not multiplied by a zero gradient (0 * NaN = NaN in the
+    weight gradient). Shapes: mat_a [6, 4] and mat_b [2, 4, 3] (2Dx3D), or mat_a [2, 3, 4] and
+    mat_b [4, 6] (3Dx2D), float64, offs [2, 4] int32: indices 4 and 5 are NaN."""
+    gen = torch.Generator().manual_seed(0)
+    offs = torch.tensor([2, 4], dtype=torch.int32)
+    if layout == "2d3d":
+        a = torch.randn(6, 4, dtype=f64, generator=gen)
+        b = torch.randn(2, 4, 3, dtype=f64, generator=gen)
+        a[4:] = float("nan")
+    else:
+        a = torch.randn(2, 3, 4, dtype=f64, generator=gen)
+        b = torch.randn(4, 6, dtype=f64, generator=gen)
+        b[:, 4:] = float("nan")
+    leaves = [a.requires_grad_(), b.requires_grad_()]
+    grads = torch.autograd.grad(moe_ops.reference.grouped_mm(a, b, offs).sum(), leaves)
+    want = torch.autograd.grad(moe_ops.grouped_mm(a, b, offs).sum(), leaves)
+    for g, w in zip(grads, want):
+        assert not g.isnan().any(), "a NaN past offs[-1] reached a gradient"
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("layout,bias", CASES)
 def test_the_reference_called_directly_is_differentiable(layout, bias):
     """moe_ops.reference.grouped_mm, public and documented with the op's contract, takes inputs
@@ -207,6 +232,24 @@ def test_bf16_with_fp32_output(layout, bias):
     ref, mag = oracle_grads(lambda x: x), oracle_grads(torch.abs)
     for leaf, r, m in zip(leaves, ref, mag):
         assert_close(leaf.grad, r, r.to(torch.bfloat16), m, what=f"grad of {tuple(leaf.shape)}")
+
+
+def test_bf16_with_fp32_output_sums_the_bias_gradient_unrounded():
+    """README "Autograd": with out_dtype=float32 the incoming gradient is rounded to the inputs'
+    dtype for the matmul gradients only; the bias gradient sums it as it comes. Here the sum,
+    120.5 + 8 x (1 + 2^-9) = 128.5 + 2^-6, is exact in fp32 in any order and rounds to 129 in
+    bf16; summing the bf16-rounded gradient (1 + 2^-9 -> 1) gives the tie 128.5 -> 128. The
+    tolerance rule allows that unit, so the check is exact. Shapes: mat_a [9, 2], mat_b
+    [2, 2, 1], bias [2, 1] bf16, offs [9, 9] int32; the fp32 incoming gradient [9, 1]."""
+    a = torch.ones(9, 2, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.ones(2, 2, 1, dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.zeros(2, 1, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([9, 9], dtype=torch.int32)
+    out = moe_ops.grouped_mm(a, b, offs, bias, out_dtype=torch.float32)
+    grad = torch.full((9, 1), 1.0 + 2.0 ** -9)
+    grad[0] = 120.5
+    out.backward(grad)
+    assert bias.grad.tolist() == [[129.0], [0.0]]
 
 
 def test_backward_calls_the_op():

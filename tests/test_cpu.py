@@ -1188,6 +1188,23 @@ def test_without_the_compiled_module_the_reference_serves_cpu_calls():
     assert r.stderr.count("does not serve this call") == 1  # kernel_entry's fallback note, once
 
 
+def test_kernel_counts_credit_each_call_to_its_own_kernel():
+    """A kernel that names the concrete kernel it ran (note_kernel) is counted under that name
+    for that call only: the next call, by a kernel that names none, is counted under its
+    registered name. Shapes: mat_a [10, 4], mat_b [2, 4, 3] float32, offs [2] int64."""
+    from moe_ops import _op, reference
+
+    def noting(p, a, b, offs, bias):
+        _op.note_kernel("test:concrete")
+        return reference.compute(p, a, b, offs, bias)
+
+    a, b, offs = torch.randn(10, 4), torch.randn(2, 4, 3), torch.tensor([3, 10])
+    moe_ops.reset_kernel_counts()
+    _op.kernel_entry("test:noting", noting)(a, b, offs)
+    _op.kernel_entry("test:plain", lambda *args: reference.compute(*args))(a, b, offs)
+    assert moe_ops.kernel_counts() == {"test:concrete": 1, "test:plain": 1}
+
+
 def test_the_compiled_module_refuses_another_torch():
     """Built against one torch, moe_ops._cpu does not load (nor register anything) under another:
     CPU calls use the reference and the status says why."""

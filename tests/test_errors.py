@@ -20,9 +20,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_ops
 from moe_ops import _contract
-from moe_ops.testing import assert_close, backend_names, run_backend
+from moe_ops.testing import assert_close, backend_names, run_backend, tolerance
 from oracle import magnitude, oracle
-from strategies import Case, build, partitions
+from strategies import Case, build, partitions, small_problem
 
 f32, bf16 = torch.float32, torch.bfloat16
 
@@ -254,3 +254,36 @@ def test_argument_names_are_those_of_functional_grouped_mm():
     torch._grouped_mm(input=a, mat2=b, offs=offs)  # its own keyword names, which differ
     with pytest.raises(TypeError):
         moe_ops.grouped_mm(input=a, mat2=b, offs=offs)
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "3d3d"])
+def test_tolerance_of_float64_results_is_float64_sized(layout):
+    """A float64 result that went through float32 (its accumulation or its output) fails
+    assert_close: the rule's accumulation term takes float64's eps for float64 outputs, else
+    such a kernel would pass the whole suite. Shapes: strategies.small_problem's, float64,
+    with bias."""
+    (a, b, bias), offs = small_problem(layout, torch.float64, bias=True)
+    refs = (oracle(a, b, offs, bias), oracle(a, b, offs, bias, exact=False),
+            magnitude(a, b, offs, bias))
+    assert_close(refs[1], *refs)  # the plain computation passes
+    with pytest.raises(AssertionError, match="max abs error"):
+        assert_close(refs[1].float().double(), *refs)
+
+
+def test_assert_close_enforces_the_documented_rule():
+    """moe_ops.testing.tolerance's rule, 2 x max|ref_same - ref64| + eps(out) x max|ref64| +
+    2 x eps(acc) x max magnitude, worked by hand in units u = 2^-23 (float32's eps): 2 x 2u +
+    1u + 2 x 1u x 2 = 9u. assert_close passes an error of 9u and fails one of 10u, and
+    checks shape and dtype. Shapes: [1, 2] float32 (one output with an error, one without)."""
+    u = 2.0 ** -23
+    ref64 = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    ref_same = torch.tensor([[1.0 + 2 * u, 0.0]], dtype=torch.float32)
+    mag = torch.tensor([[2.0, 0.0]], dtype=torch.float64)
+    assert tolerance(ref64, ref_same, mag) == 9 * u
+    assert_close(torch.tensor([[1.0 + 9 * u, 0.0]]), ref64, ref_same, mag)
+    with pytest.raises(AssertionError, match="max abs error"):
+        assert_close(torch.tensor([[1.0 + 10 * u, 0.0]]), ref64, ref_same, mag)
+    with pytest.raises(AssertionError, match="dtype"):
+        assert_close(ref64.clone(), ref64, ref_same, mag)
+    with pytest.raises(AssertionError, match="shape"):
+        assert_close(torch.tensor([[1.0]]), ref64, ref_same, mag)

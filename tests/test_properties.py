@@ -175,6 +175,9 @@ def _named_cases():
         "2d2d empty experts": Case("2d2d", 4, 12, 40, 8, bf16, (10, 10, 30, 30), **{**base, "out_dtype": f32}),
         "3d3d bias": Case("3d3d", 3, 10, 16, 8, f32, None, **{**base, "bias": True}),
         "3d2d trailing cols": Case("3d2d", 3, 10, 16, 20, f32, (5, 5, 12), **base),
+        # N = 0: the sync-free formulation computes 3Dx2D as a transposed 2Dx3D problem, whose
+        # empty result must come back [M, 0], not [0, M].
+        "3d2d N=0": Case("3d2d", 3, 10, 16, 0, f32, (0, 0, 0), **base),
         "fp64": Case("2d3d", 3, 20, 16, 8, torch.float64, (5, 5, 20), **{**base, "bias": True}),
         # A one-row group's row of mat_a strided along K: torch 2.9.1's CPU mm (oneDNN) returns
         # wrong bf16 values for it at this K and N, not at the drawn ones
@@ -190,3 +193,25 @@ def test_named_edge_case(impl, name):
     if case.layout not in impl.layouts or case.dtype not in impl.dtypes:
         pytest.skip(f"{impl.name} does not serve {case.layout} / {case.dtype}")
     check_case(impl, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["2d3d", "3d3d"])
+def test_bias_is_added_before_the_one_rounding(impl, layout, dtype):
+    """README "bias": added in the accumulation precision before the final cast. Each output is
+    2^p + 1 + 1 (p = 8 for bf16, 11 for fp16: 2^p + 1 is a tie between two neighbours), exact
+    in fp32 in any summation order, so one rounding gives the oracle's value bit for bit; a
+    rounding before the bias gives 2^p + 1 -> 2^p (ties to even), + 1 -> 2^p again, one unit
+    below. The tolerance rule allows that unit (out_ulp), so the check is exact.
+    Shapes: mat_a [4, 2] (2Dx3D) or [2, 2, 2] (3Dx3D), mat_b [2, 2, 3] ones, bias [2, 3] ones."""
+    if layout not in impl.layouts or dtype not in impl.dtypes:
+        pytest.skip(f"{impl.name} does not serve {layout} / {dtype}")
+    big = 2.0 ** (8 if dtype == torch.bfloat16 else 11)
+    rows = torch.tensor([[big, 1.0]] * 4, dtype=dtype)
+    a = rows if layout == "2d3d" else rows.view(2, 2, 2)
+    b, bias = torch.ones(2, 2, 3, dtype=dtype), torch.ones(2, 3, dtype=dtype)
+    offs = torch.tensor([1, 4], dtype=torch.int32) if layout == "2d3d" else None
+    out = impl(a, b, offs, bias)
+    want = oracle(a, b, offs, bias, exact=False)
+    assert want.flatten()[0].item() == big + 2  # the oracle rounds once
+    assert torch.equal(out, want), f"{impl.name}: {out.flatten()[0].item()} != {big + 2}"
