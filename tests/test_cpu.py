@@ -1188,6 +1188,25 @@ def test_without_the_compiled_module_the_reference_serves_cpu_calls():
     assert r.stderr.count("does not serve this call") == 1  # kernel_entry's fallback note, once
 
 
+def test_the_generic_level_and_the_cache_limit_are_reported_as_documented():
+    """At MOE_OPS_CPU_ISA=generic the items run ATen's mm: kernel_counts and the status call that
+    kernel "cpu:aten" (README), the status names no bf16 scheme, and it gives the cache limit
+    MOE_OPS_CPU_CACHE_MB set, in MiB. In a subprocess: both variables are read once per process.
+    Shapes: mat_a [10, 4], mat_b [2, 4, 3] float32, offs [2] int64."""
+    code = ("import torch, moe_ops\nfrom moe_ops import backends\n"
+            "print('DETAIL', [s for s in backends.statuses() if s.name == 'cpu'][0].detail)\n"
+            "moe_ops.grouped_mm(torch.randn(10, 4), torch.randn(2, 4, 3), torch.tensor([3, 10]))\n"
+            "print('COUNTS', moe_ops.kernel_counts())\n")
+    env = dict(os.environ, MOE_OPS_CPU_ISA="generic", MOE_OPS_CPU_CACHE_MB="64")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "COUNTS {'cpu:aten': 1}" in r.stdout, r.stdout
+    assert "float32: cpu:aten" in r.stdout and "of 64 MiB" in r.stdout, r.stdout
+    # bf16_scheme() still describes the CPU; at the generic level no bf16 kernel uses it.
+    assert "swapped scheme" not in r.stdout, r.stdout
+
+
 def test_kernel_counts_credit_each_call_to_its_own_kernel():
     """A kernel that names the concrete kernel it ran (note_kernel) is counted under that name
     for that call only: the next call, by a kernel that names none, is counted under its
@@ -1420,7 +1439,7 @@ def test_env_values_the_cpu_module_would_misread_are_reported():
         (msg,) = env_problems({"MOE_OPS_CPU_ISA": bad})
         assert "not capped" in msg
     for bad, reads in (("abc", "0 (the output cache off)"), ("1g", "1"), ("-5", "0 (the output"),
-                       ("\u00b2", "0 (the")):
+                       ("\u00b2", "0 (the"), (" ", "0 (the output cache off)")):
         (msg,) = env_problems({"MOE_OPS_CPU_CACHE_MB": bad})
         assert "reads as " + reads in msg, (bad, msg)
 

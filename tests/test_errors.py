@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_ops
 from moe_ops import _contract
-from moe_ops.testing import assert_close, backend_names, run_backend, tolerance
+from moe_ops.testing import assert_close, backend_names, reference_results, run_backend, tolerance
 from oracle import magnitude, oracle
 from strategies import Case, build, partitions, small_problem
 
@@ -287,3 +287,25 @@ def test_assert_close_enforces_the_documented_rule():
         assert_close(ref64.clone(), ref64, ref_same, mag)
     with pytest.raises(AssertionError, match="shape"):
         assert_close(torch.tensor([[1.0]]), ref64, ref_same, mag)
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d3d", "3d2d"])
+def test_reference_results_are_the_three_documented_problems(layout):
+    """moe_ops.testing.reference_results gives (the problem in float64, in the inputs' precision
+    with out_dtype, in float64 on absolute values with |bias|): what assert_close's rule is
+    defined on. A magnitude that dropped |bias| or the absolute values, or a ref_same without
+    out_dtype, would still let every kernel test pass, only with a wrong tolerance. Inputs are
+    small whole numbers, so every computation is exact and the oracle's results must match bit
+    for bit. Shapes: strategies.small_problem's, bfloat16 with a bias [G, N] of magnitude ~100
+    where the layout takes one, out_dtype float32."""
+    with_bias = layout in ("2d3d", "3d3d")
+    args, offs = small_problem(layout, torch.float64, bias=with_bias)
+    whole = [(t * 4).round().to(torch.bfloat16) for t in args]  # |values| <= ~16, exact in bf16
+    if with_bias:
+        whole[2] = whole[2] * 25  # bias dominates the magnitude: dropping it shows
+    a, b, bias = (*whole, None)[:3]
+    ref64, ref_same, mag = reference_results(a, b, offs, bias, torch.float32)
+    assert ref64.dtype == torch.float64 and torch.equal(ref64, oracle(a, b, offs, bias))
+    want_same = oracle(a, b, offs, bias, torch.float32, exact=False)
+    assert ref_same.dtype == torch.float32 and torch.equal(ref_same, want_same)
+    assert mag.dtype == torch.float64 and torch.equal(mag, magnitude(a, b, offs, bias))

@@ -103,6 +103,35 @@ def test_tangent_without_grad_mode_and_with_grad(autograd_kernel):
     _close(leaf.grad, plain.grad)
 
 
+def test_use_autograd_refuses_an_unknown_kind():
+    """use_autograd("py") is a ValueError and leaves the registered kernel as it was (not the
+    Python kernel registered under a name autograd_status does not know)."""
+    before = moe_ops._op._Autograd.active
+    with pytest.raises(ValueError, match="kind must be 'cpp' or 'python'"):
+        moe_ops._op.use_autograd("py")
+    assert moe_ops._op._Autograd.active == before
+
+
+def test_switching_autograd_kernels_replaces_the_registration(cpp_autograd):
+    """use_autograd("python") removes the C++ kernel before registering the Python one, and back:
+    the op's dispatch table holds one Autograd registration at a time (a kernel left beneath the
+    other would come back when that one is removed), and each kernel serves afterwards (the
+    Python one refuses torch.func transforms). Shapes: small_problem("2d3d")'s, float64."""
+    def autograd_registrations():
+        dump = torch._C._dispatch_dump("moe::grouped_mm").splitlines()
+        return [line for line in dump if line.startswith("Autograd[alias]")]
+
+    (a, b, c), offs = small_problem("2d3d", bias=True)
+    op, _ = _fns(offs, True)
+    moe_ops._op.use_autograd("python")  # the fixture registers the one before the test again
+    assert len(autograd_registrations()) == 1, autograd_registrations()
+    with pytest.raises(NotImplementedError, match="needs the op's C\\+\\+ Autograd kernel"):
+        grad(lambda x: op(x, b, c).sum())(a)
+    moe_ops._op.use_autograd("cpp")
+    assert len(autograd_registrations()) == 1, autograd_registrations()
+    grad(lambda x: op(x, b, c).sum())(a)
+
+
 @pytest.mark.parametrize("layout,bias", CASES)
 def test_func_grad_and_vjp(cpp_autograd, layout, bias):
     args, offs = small_problem(layout, bias=bias)

@@ -207,3 +207,14 @@ def test_choose_block_is_static_and_in_range():
         a, b = torch.empty(M, 64, device="meta"), torch.empty(1, 64, 16, device="meta")
         p = _contract.check_args(a, b, torch.empty(1, dtype=torch.int64, device="meta"))
         assert neuron_blockwise.choose_block(p) == expected, (M, neuron_blockwise.choose_block(p))
+    # 2D x 2D (groups over K): G - 1 extra blocks, and gathered rows of min(M, 512) + min(N, 2048)
+    # elements per 128-row tile. K = 4096 in two groups: padding = block, 1024 rows fit a quarter.
+    # fp32 at M = N = 4096: 2560 x 4 bytes per tile, so 6.4 tiles fit the 64 KiB budget: 512.
+    for M, G, K, N, dtype, expected in [(64, 2, 4096, 64, torch.bfloat16, 1024),
+                                        (4096, 8, 65536, 4096, torch.bfloat16, 1024),
+                                        (4096, 8, 65536, 4096, torch.float32, 512)]:
+        a = torch.empty(M, K, device="meta", dtype=dtype)
+        b = torch.empty(K, N, device="meta", dtype=dtype)
+        p = _contract.check_args(a, b, torch.empty(G, dtype=torch.int64, device="meta"))
+        block = neuron_blockwise.choose_block(p)
+        assert block == expected, (M, G, K, N, dtype, block)

@@ -168,7 +168,7 @@ def test_tgmm_explicit_tiles(case, dtype):
 
 def test_run_here_reads_transposed_operands_in_place():
     """The layouts of the backward pass hand transposed views to the op: run_here passes the
-    stored orientation with a flag instead of copying."""
+    stored orientation (with a flag where the kernel needs one) instead of copying."""
     gen = torch.Generator().manual_seed(3)
     w = _rand(gen, 3, 16, 24)  # [G, K, N] forward weights
     grad = _rand(gen, 30, 24)
@@ -182,6 +182,15 @@ def test_run_here_reads_transposed_operands_in_place():
     x, y, transposed = tpu._orient(p, x_in.t(), grad)
     assert transposed and x.data_ptr() == x_in.data_ptr()
     _check(run_backend("tpu", x_in.t(), grad, offs), x_in.t(), grad, offs, what="d mat_b")
+    # 3d2d with mat_a [G, M, K] a view of [G, K, M] storage: that storage is gmm's plain right
+    # operand (no flag). M != K, so reading it in the other orientation has the wrong shape.
+    store, b = _rand(gen, 2, 16, 8), _rand(gen, 16, 24)  # mat_a: [2, 8, 16]; mat_b [K=16, N=24]
+    offs = torch.tensor([8, 24])
+    p = _contract.check_args(store.transpose(1, 2), b, offs)
+    x, y, transposed = tpu._orient(p, store.transpose(1, 2), b)
+    assert not transposed and y.data_ptr() == store.data_ptr()
+    out = run_backend("tpu", store.transpose(1, 2), b, offs)
+    _check(out, store.transpose(1, 2), b, offs, what="3d2d, mat_a transposed")
 
 
 def _races_found() -> bool:
@@ -340,6 +349,17 @@ def test_ragged_tile_follows_group_size():
     assert pick(32768, 256) == 128   # 128 rows per expert
     assert pick(8192, 32) == 256
     assert pick(100, 4) == 100       # the whole dimension when it is smaller than a tile
+
+
+def test_float16_and_float64_are_declined_to_the_reference():
+    """The MXU has no fp16 or fp64 path: run_here (like the device kernels) raises
+    NotImplementedError for them, so the op computes such calls with the reference, before
+    anything reaches jax. Shapes: mat_a [8, 16], mat_b [2, 16, 8], offs [2] int32."""
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    for dtype in (torch.float16, torch.float64):
+        a, b = torch.ones(8, 16, dtype=dtype), torch.ones(2, 16, 8, dtype=dtype)
+        with pytest.raises(NotImplementedError, match="float32 and bfloat16"):
+            run_backend("tpu", a, b, offs)
 
 
 # --- shared dispatch keys and missing toolchains -----------------------------------------------
