@@ -298,6 +298,32 @@ def test_bias_of_any_stride(isa, dtype):
         check(run((a3, b, None, bias, out_dtype), isa), a3, b, None, bias, out_dtype, what=f"3d3d {what}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", machine_levels())
+def test_bias_of_items_cut_into_column_chunks(isa, dtype):
+    """Groups wide enough to be cut into several items side by side (mat_a [200, 64], mat_b
+    [2, 64, 300] in both weight layouts, offs [160, 200], bias [2, 300]: a group of 160 rows is
+    up to four items of 64+ columns on 1-3 threads): each item adds the bias of its own columns,
+    from its first column on. The other bias tests have at most 70 columns, one item wide, so an
+    item that read the bias from column 0 of its group (or from the start of its own slab of
+    columns) passed them."""
+    gen = torch.Generator().manual_seed(12)
+    G, M, K, N = 2, 200, 64, 300
+    offs = torch.tensor([160, 200], dtype=torch.int32)
+    a = torch.randn(M, K, generator=gen).to(dtype)
+    w = torch.randn(G, N, K, generator=gen).to(dtype)
+    # Column-dependent, so that a bias read from the wrong columns is far off the tolerance.
+    ramp = torch.arange(N, dtype=torch.float64) / 8
+    bias = (ramp + torch.randn(G, N, generator=gen, dtype=torch.float64)).to(dtype)
+    weights = {"[G, N, K] transposed": w.transpose(1, 2), "[G, K, N]": w.transpose(1, 2).contiguous()}
+    # Each thread count against the oracle (not bitwise across them: at the generic level ATen's
+    # mm may round otherwise for other cuts); 1 thread alone already cuts the groups.
+    for (wname, b), threads in itertools.product(weights.items(), (1, 2, 3)):
+        with num_threads(threads):
+            out = run((a, b, offs, bias, None), isa)
+        check(out, a, b, offs, bias, None, what=f"{isa} {dtype} weights {wname}, {threads} threads")
+
+
 # Our own kernel levels: every one sums each output element in one order however a call is cut
 # into items. The generic level runs ATen's mm on each item, whose result may depend on the
 # thread count (README, "Reproducibility").
