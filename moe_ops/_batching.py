@@ -133,7 +133,8 @@ def _sorted_rows(mat_a, a_dim, mat_b, rows, bias, out_dtype, p):
     # nullptr") on index_select whose index is a sort's output as it stands.
     out = torch.ops.moe.grouped_mm(_major(mat_a, a_dim, 0)[order], mat_b, torch.cumsum(counts[:-1], 0), bias,
                                    out_dtype)
-    back = torch.empty_like(order).scatter(0, order, torch.arange(order.numel(), device=order.device))
+    back = torch.empty_like(order).scatter(0, order,
+                                           torch.arange(order.numel(), device=order.device))
     return out[back].unflatten(0, (batch, M))
 
 

@@ -158,7 +158,8 @@ def test_nan_gradient_of_the_zero_tail_reaches_nothing(layout, bias):
     clean[tail] = 0
     grad[tail] = float("nan")
     got = torch.autograd.grad(out, leaves, grad)
-    want = torch.autograd.grad(oracle(*leaves[:2], offs, leaves[2] if bias else None), leaves, clean)
+    want = torch.autograd.grad(oracle(*leaves[:2], offs, leaves[2] if bias else None), leaves,
+                               clean)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
@@ -169,7 +170,9 @@ def _selective(policy):
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     def choose(ctx, op, *args, **kwargs):
-        return policy if op is torch.ops.moe.grouped_mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+        if op is torch.ops.moe.grouped_mm.default:
+            return policy
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return lambda: create_selective_checkpoint_contexts(choose)
 

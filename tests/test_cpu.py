@@ -287,7 +287,8 @@ def test_bias_of_any_stride(isa, dtype):
     a = torch.randn(M, K, generator=gen).to(dtype)
     a3 = torch.randn(G, 20, K, generator=gen).to(dtype)
     w = torch.randn(G, N, K, generator=gen).to(dtype)
-    weights = {"[G, N, K] transposed": w.transpose(1, 2), "[G, K, N]": w.transpose(1, 2).contiguous()}
+    weights = {"[G, N, K] transposed": w.transpose(1, 2),
+               "[G, K, N]": w.transpose(1, 2).contiguous()}
     biases = {"transposed": torch.randn(N, G, generator=gen).to(dtype).t(),
               "every other column": torch.randn(G, 2 * N, generator=gen).to(dtype)[:, ::2]}
     out_dtypes = [None, torch.float32] if dtype in (torch.bfloat16, torch.float16) else [None]
@@ -1479,7 +1480,8 @@ def test_benchmark_targets_compare_with_grouped_mm_on_every_shape(monkeypatch):
 
     def row(source, shape, G, ours, gmm, dense=1.0):
         peers = {bench.DENSE: {"median_ms": dense},
-                 bench.OP: {"median_ms": ours, "ratio": ours / dense, "p25_ms": ours, "p75_ms": ours},
+                 bench.OP: {"median_ms": ours, "ratio": ours / dense, "p25_ms": ours,
+                            "p75_ms": ours},
                  bench.GROUPED_MM: {"median_ms": gmm, "ratio": gmm / dense}}
         return dict(source=source, shape=shape, G=G, mode="fwd", dtype="bf16", peers=peers)
 
