@@ -259,7 +259,6 @@ def _source_tag() -> str:
     except CUTE_DSL_ARCH, which ``--gpu-arch`` overrides.
     """
     h = hashlib.sha256(Path(__file__).read_bytes())
-    h.update((cutlass_dsl_version() or "").encode())
     dists = sorted({(d.metadata["Name"] or "").lower(): d.version
                     for d in importlib.metadata.distributions()
                     if (d.metadata["Name"] or "").lower().startswith("nvidia-cutlass-dsl")}.items())
