@@ -14,8 +14,8 @@ Categories:
   reports is ours (on v4, where the limit is the whole VMEM, XLA adds register-allocator spill
   slots: 1.2-2.5 MiB for such tiles, which the budget's spare quarter covers).
 
-Compiles run in one subprocess per generation with a timeout (one oversized compile was seen
-to take 198 s; these take 0.5-3 s each).
+Compiles run in one subprocess per generation, the three at once, with a timeout (one oversized
+compile was seen to take 198 s; these take 0.5-3 s each).
 """
 
 from __future__ import annotations
@@ -114,22 +114,42 @@ def _require_libtpu():
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def compiled(request):
-    """Run the worker for one generation; its JSON lines."""
+@pytest.fixture(scope="module")
+def workers():
+    """One worker per generation, all started at once: each is mostly one core's work for
+    ~20 s (jax's import, then compiles), so on 2 cores the three take 39 s together against 67 s
+    one after the other. Their processes, by generation."""
     _require_libtpu()
-    generation = request.param
-    shapes = [[name, shape, "bfloat16"] for name, shape in MOE_SHAPES.items()]
-    if generation == "v5e":  # fp32 (6-pass bf16 matmuls) for one model on one chip: ~4 s a compile
-        shapes.append(["qwen3-30b-a3b", MOE_SHAPES["qwen3-30b-a3b"], "float32"])
     # The compile needs no TPU runtime. TPU_SKIP_MDS_QUERY keeps libtpu off the cloud metadata
     # server; ALLOW_MULTIPLE_LIBTPU_LOAD lets it load although this pytest process, whose jax
-    # initialised every platform, holds libtpu's lockfile.
+    # initialised every platform, holds libtpu's lockfile (and so do the other workers).
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    r = subprocess.run([sys.executable, "-c", _WORKER, generation, TOPOLOGIES[generation], json.dumps(shapes)],
-                       capture_output=True, text=True, timeout=600, env=env)
-    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    assert r.returncode == 0 and lines, f"worker failed for {generation}:\n{r.stderr[-3000:]}"
+    procs = {}
+    for generation, topology in TOPOLOGIES.items():
+        shapes = [[name, shape, "bfloat16"] for name, shape in MOE_SHAPES.items()]
+        if generation == "v5e":  # fp32 (6-pass bf16 matmuls) for one model on one chip: ~4 s a compile
+            shapes.append(["qwen3-30b-a3b", MOE_SHAPES["qwen3-30b-a3b"], "float32"])
+        procs[generation] = subprocess.Popen([sys.executable, "-c", _WORKER, generation, topology, json.dumps(shapes)],
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    yield procs
+    for p in procs.values():
+        p.kill()
+        p.communicate()
+
+
+@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+def compiled(request, workers):
+    """The worker's JSON lines for one generation."""
+    generation = request.param
+    proc = workers[generation]
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"worker for {generation} ran past 600 s:\n{stderr[-3000:]}")
+    lines = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+    assert proc.returncode == 0 and lines, f"worker failed for {generation}:\n{stderr[-3000:]}"
     return generation, lines
 
 
