@@ -4,15 +4,27 @@
 # against them: an out-of-bounds access, a use after free or undefined behaviour in our C++
 # aborts the run. torch itself is not instrumented (libasan is preloaded into python; its
 # allocator puts red zones around every tensor allocation). Run by .ci/run in its environment.
+# `.ci/sanitizers.sh` builds in a scratch directory and tests; .ci/run takes the two apart
+# (`build DIR`, then `test DIR`) to build in the background of the Quickstart suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scratch="$(mktemp -d)"
-trap 'rm -rf "$scratch"' EXIT
-git ls-files -z | xargs -0 cp --parents -t "$scratch"
+phase="${1:-all}"
+case "$phase" in
+    all) scratch="$(mktemp -d)"; trap 'rm -rf "$scratch"' EXIT ;;
+    build|test) scratch="${2:?usage: .ci/sanitizers.sh [build DIR | test DIR]}" ;;
+    *) echo "usage: .ci/sanitizers.sh [build DIR | test DIR]"; exit 1 ;;
+esac
+if [ "$phase" != test ]; then
+    mkdir -p "$scratch"
+    git ls-files -z | xargs -0 cp --parents -t "$scratch"
+    (cd "$scratch" && MOE_OPS_OPT=-O1 \
+        CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g1" \
+        LDFLAGS="-fsanitize=address,undefined" python setup.py -q build_ext --inplace)
+fi
+[ "$phase" = build ] && exit 0
 cd "$scratch"
-MOE_OPS_OPT=-O1 CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g1" \
-    LDFLAGS="-fsanitize=address,undefined" python setup.py -q build_ext --inplace
 for module in moe_ops/_cpu.*.so moe_ops/_autograd.*.so; do
+    [ -f "$module" ] || { echo "sanitizers: no module $module (the build failed: above)"; exit 1; }
     nm -D "$module" | grep __asan_init >/dev/null || {  # not -q: nm would die of SIGPIPE (pipefail)
         echo "sanitizers: $module was not built with AddressSanitizer"; exit 1; }
 done
