@@ -15,11 +15,13 @@ case "$phase" in
     *) echo "usage: .ci/sanitizers.sh [build DIR | test DIR]"; exit 1 ;;
 esac
 if [ "$phase" != test ]; then
+    start=$SECONDS
     mkdir -p "$scratch"
     git ls-files -z | xargs -0 cp --parents -t "$scratch"
     (cd "$scratch" && MOE_OPS_OPT=-O1 \
         CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g1" \
         LDFLAGS="-fsanitize=address,undefined" python setup.py -q build_ext --inplace)
+    echo "sanitizer build: $((SECONDS - start)) s"
 fi
 [ "$phase" = build ] && exit 0
 cd "$scratch"
