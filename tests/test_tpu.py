@@ -351,6 +351,56 @@ def test_ragged_tile_follows_group_size():
     assert pick(100, 4) == 100       # the whole dimension when it is smaller than a tile
 
 
+# --- tiling arithmetic that no CPU test reaches otherwise ---------------------------------------
+
+
+@pytest.mark.parametrize("device_kind,generation", [
+    ("TPU v4", "v4"), ("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v5", "v5p"),
+    ("TPU v5p", "v5p"), ("TPU v6 lite", "v6e"), ("TPU v6e", "v6e"), ("TPU7x", "v7"),
+    ("TPU v7", "v7"), ("cpu", "v5e"),
+])
+def test_generation_of_device_kinds(device_kind, generation):
+    """jax's device_kind strings (TorchTPU's "TPU v7" too) name the generation whose VMEM limits
+    the kernels are compiled with; v4 has a quarter of the others' VMEM, so taking it for a
+    later chip would pick tiles that do not fit. Unknown kinds get v5e's limits."""
+    assert tp.generation_of(device_kind) == generation
+
+
+def test_vmem_count_by_hand():
+    """vmem_bytes against counts done by hand, for the terms tests/test_tpu_mosaic.py never
+    compares with Mosaic (its oversized case has no bias and no transposed operand, and it needs
+    libtpu): every block padded to whole (sublanes x 128) tiles, with 16 sublanes for bf16,
+    inputs and output double-buffered, plus one fp32 accumulator (tm, tn)."""
+    T, MiB = tp.Tiles, tp.MiB
+    # gmm bf16 (512, 1024, 1024): a 1 MiB + b 2 MiB + out 1 MiB, twice, + the 2 MiB accumulator.
+    assert tp.vmem_bytes("gmm", T(512, 1024, 1024), 2, 2) == 10 * MiB
+    # bias [1, tn] in bf16 takes a whole 16 x 1024 block, twice.
+    bias = 2 * (16 * 1024 * 2)
+    assert tp.vmem_bytes("gmm", T(512, 1024, 1024), 2, 2, has_bias=True) == 10 * MiB + bias
+    # tgmm fp32 (tm=16, tk=128, tn=128): a (16, 128); read transposed it is (128, 16), whose 16
+    # lanes pad to 128, eight times the bytes.
+    acc = 16 * 128 * 4
+    b, out = 128 * 128 * 4, 16 * 128 * 4
+    assert tp.vmem_bytes("tgmm", T(16, 128, 128), 4, 4) == 2 * (16 * 128 * 4 + b + out) + acc
+    a_t = 128 * 128 * 4
+    used = tp.vmem_bytes("tgmm", T(16, 128, 128), 4, 4, transposed=True)
+    assert used == 2 * (a_t + b + out) + acc
+
+
+def test_check_tiles_rejects_illegal_blocks():
+    """Mosaic's block rule: the whole dimension, or a multiple of 128 along lanes and of the
+    sublane count (8 for fp32, 16 for bf16, which packs row pairs) along sublanes, below it."""
+    tp._check_tiles("gmm", Tiles(8, 128, 128), 64, 256, 256, 4)
+    tp._check_tiles("gmm", Tiles(16, 128, 128), 64, 256, 256, 2)
+    with pytest.raises(ValueError, match="tm=8"):
+        tp._check_tiles("gmm", Tiles(8, 128, 128), 64, 256, 256, 2)  # bf16: 8 rows is half a tile
+    with pytest.raises(ValueError, match="tm=32"):
+        tp._check_tiles("gmm", Tiles(32, 128, 128), 20, 256, 256, 4)  # larger than M, not M
+    with pytest.raises(ValueError, match="tm=16"):
+        # tgmm with mat_a read transposed: M is its lane dimension
+        tp._check_tiles("tgmm", Tiles(16, 128, 128), 64, 256, 256, 4, transposed=True)
+
+
 def test_float16_and_float64_are_declined_to_the_reference():
     """The MXU has no fp16 or fp64 path: run_here (like the device kernels) raises
     NotImplementedError for them, so the op computes such calls with the reference, before
