@@ -19,6 +19,9 @@ tiles; the interpreter costs ~5 ms per tile operation, so shapes stay small.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,7 +103,9 @@ def test_transposed_mat_b_with_bias_and_fp32_out(dtype):
 def test_2d2d_ragged_k_empty_groups(out_dtype, config):
     # The weight gradient: mat_a = x.t() of a [K, M] activation (column-major), groups over K
     # with empty groups 1 and 3 and K past offs[-1]; their [M, N] slices must be exact zeros.
-    x = _randn(60, 20, dtype=torch.bfloat16, seed=10)
+    # M = 40 is 3 row tiles: the last band of GROUP_M = 2 row tiles is partial (a band height
+    # not clamped to it leaves tiles of every group uncomputed: NaN).
+    x = _randn(60, 40, dtype=torch.bfloat16, seed=10)
     a = x.t()
     b = _randn(60, 36, dtype=torch.bfloat16, seed=11)
     offs = torch.tensor([17, 17, 50, 50], dtype=torch.int32)
@@ -158,6 +163,66 @@ def test_3d2d_through_the_transposition_identity():
     assert torch.count_nonzero(out[:, 38:]) == 0
 
 
+def test_out_buffer_must_be_contiguous_with_the_problems_shape_and_dtype():
+    """``out=`` (a static buffer for CUDA graphs) is written in place through the layout the
+    kernels assume; a wrong shape, dtype or memory order raises before any launch and leaves it
+    untouched. a [20, 16] fp32, b [2, 16, 8], out [20, 8]."""
+    a = _randn(20, 16, dtype=torch.float32, seed=90)
+    b = _randn(2, 16, 8, dtype=torch.float32, seed=91)
+    offs = torch.tensor([7, 20])
+    p = _contract.check_args(a, b, offs)
+    bad = {
+        "shape": torch.full((20, 9), float("nan")),
+        "dtype": torch.full((20, 8), float("nan"), dtype=torch.float64),
+        "memory order": torch.full((8, 20), float("nan")).t(),
+    }
+    for what, out in bad.items():
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            tk.grouped_mm(p, a, b, offs, None, interpret=True, config=SMALL, out=out)
+        assert out.isnan().all(), what
+
+
+def _run_guarded_cases():
+    """Every layout with M, K, N cut mid-tile (16-element tiles), each operand, the bias and the
+    output ending at a guard page (run in a child process by the test below: a fault kills it).
+    Shapes (fp32): 2d3d a [37, 24] b [3, 24, 21] bias [3, 21], rows 33.. past offs[-1]; 3d3d
+    a [3, 19, 24] b [3, 24, 21] bias [3, 21]; 2d2d a [19, 37] b [37, 21]; 3d2d a [3, 19, 24]
+    b [24, 37]. The interpreter dereferences only the enabled lanes of a masked load or store,
+    so a missing mask shows."""
+    from guard_pages import guarded  # tests/: the CPU kernels' guard pages, on the path here
+
+    f32 = torch.float32
+    cases = {
+        "2d3d": ((37, 24), (3, 24, 21), torch.tensor([5, 20, 33]), True),
+        "3d3d": ((3, 19, 24), (3, 24, 21), None, True),
+        "2d2d": ((19, 37), (37, 21), torch.tensor([5, 20, 37]), False),
+        "3d2d": ((3, 19, 24), (24, 37), torch.tensor([5, 20, 37]), False),
+    }
+    for seed, (layout, (sa, sb, offs, with_bias)) in enumerate(cases.items()):
+        a = guarded(_randn(*sa, dtype=f32, seed=60 + seed), at_end=True)
+        b = guarded(_randn(*sb, dtype=f32, seed=70 + seed), at_end=True)
+        bias = guarded(_randn(3, 21, dtype=f32, seed=80), at_end=True) if with_bias else None
+        p = _contract.check_args(a, b, offs, bias)
+        out = guarded(torch.full(p.out_shape, float("nan")), at_end=True)
+        tk.grouped_mm(p, a, b, offs, bias, interpret=True, config=SMALL, programs=3, out=out)
+        _check(out, a, b, offs, bias, what=f"{layout} at a guard page")
+        print(layout, "ok", flush=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect guard pages (Linux)")
+def test_no_access_past_the_operands_or_the_output():
+    # A load or store mask along M, N or K that a kernel drops (e.g. the b column mask, which
+    # only feeds columns the store drops) changes no value of the result: it reads or writes past
+    # the tensors, which is an illegal address on a GPU. Each tensor here ends at a guard page.
+    tests = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path.insert(0, {str(tests)!r}); "
+            "import test_cuda_interpreter as t; t._run_guarded_cases()")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert r.stdout.split() == ["2d3d", "ok", "3d3d", "ok", "2d2d", "ok", "3d2d", "ok"], r.stdout
+
+
 TMA_SMALL = tk.TileConfig(16, 16, 16, GROUP_M=2, tma=True)
 TMA_SPLIT = tk.TileConfig(16, 32, 16, GROUP_M=2, epilogue_split=True, tma=True)
 
@@ -212,6 +277,8 @@ def test_tma_declined_where_copies_cannot_describe_the_operands():
         "base not 16-byte aligned": (_randn(30 * 40 + 1, dtype=torch.bfloat16, seed=51)[1:].view(30, 40), b),
         "no unit stride in mat_b": (a, _randn(3, 80, 48, dtype=torch.bfloat16, seed=52)[:, ::2, ::2]),
         "one expert's weights expanded (stride 0)": (a, b[:1].expand(3, 40, 24)),
+        # cuTensorMapEncodeTiled takes no empty dimension; the interpreter's copies would.
+        "K = 0 (empty operands)": (a[:, :0], b[:, :0]),
     }
     for what, (x, w) in cases.items():
         assert tk._tma_descriptors(x, w, False, TMA_SMALL) is None, what
@@ -388,3 +455,5 @@ def test_small_group_tiles_follow_the_row_tiles_of_every_layout():
     assert tk.tile_config(90, bf, tk.rows_per_group(large)).BM == 128  # 512 columns per group
     wgrad = _contract.check_args(e(8, 4096, dtype=bf), e(4096, 8, dtype=bf), offs)
     assert tk.rows_per_group(wgrad) is None  # 2Dx2D tiles span M whatever the groups
+    # The boundary: "fewer than 64 rows" per group take the small tiles, 64 rows do not.
+    assert tk.tile_config(90, bf, 63).BM == 64 and tk.tile_config(90, bf, 64).BM == 128
