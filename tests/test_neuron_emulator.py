@@ -20,6 +20,7 @@ import torch
 from moe_ops import _contract
 from moe_ops.backends import neuron, neuron_nki, neuron_emulator as emu
 from moe_ops.backends.neuron_nki import nl, nisa, use
+from moe_ops.testing import assert_close, reference_results
 
 pytestmark = pytest.mark.backend_neuron
 
@@ -80,6 +81,18 @@ def test_sbuf_capacity_of_live_tiles():
     run(reuse)
     with pytest.raises(emu.EmulatorError, match="the limit is 196608"):
         run(lambda: nl.ndarray((1, 49153), dtype=nl.float32, buffer=nl.sbuf))
+
+
+def test_psum_capacity_of_live_tiles():
+    """PSUM holds 8 banks of 2 KiB per partition: 8 live one-bank tiles fit, a ninth does not."""
+    def kernel(n):
+        keep = [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum) for _ in range(n)]
+        del keep
+        return _store(_sbuf((1, 1)))
+
+    run(lambda: kernel(8))
+    with pytest.raises(emu.EmulatorError, match="psum over capacity: 16384 bytes per partition"):
+        run(lambda: kernel(9))
 
 
 # ---------------------------------------------------------------- Tensor Engine
@@ -156,6 +169,21 @@ def test_matmul_accumulate_needs_a_matmul_initialised_psum():
     with pytest.raises(emu.EmulatorError, match="not initialised by a matmul"):
         run(after_memset)
 
+    def overwritten(how):
+        # A matmul initialises dst, then an engine write replaces it: that location no longer
+        # holds a matmul result, so accumulating onto it is again undefined.
+        dst = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=dst, stationary=_sbuf((8, 4)), moving=_sbuf((8, 4)), accumulate=False)
+        if how == "memset":
+            nisa.memset(dst=dst[0:1, 0:2], value=0.0)
+        else:
+            nisa.tensor_copy(dst=dst, src=_sbuf((4, 4)))
+        nisa.nc_matmul(dst=dst, stationary=_sbuf((8, 4)), moving=_sbuf((8, 4)), accumulate=True)
+
+    for how in ("memset", "tensor_copy"):
+        with pytest.raises(emu.EmulatorError, match="not initialised by a matmul"):
+            run(lambda: overwritten(how))
+
     def twice():
         dst = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.psum)
         for i in range(3):
@@ -201,6 +229,8 @@ def test_dma_never_touches_psum_and_counts_must_match():
 
     with pytest.raises(emu.EmulatorError, match="element counts differ"):
         run(mismatch, f32((4, 4)))
+    with pytest.raises(emu.EmulatorError, match="element counts differ"):  # nor a larger src
+        run(mismatch, f32((4, 6)))
 
 
 def test_static_slices_are_bounds_checked():
@@ -210,6 +240,21 @@ def test_static_slices_are_bounds_checked():
 
     with pytest.raises(emu.EmulatorError, match="out of range for dimension 0 of size 128"):
         run(kernel, f32((16, 8)))
+
+
+def test_access_patterns_are_bounds_checked_to_the_last_element():
+    """An explicit access pattern over x [5, 3] fp32 may end at its last element (14) but not one
+    past it (15, where a storage bound off by one would let it through)."""
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+
+    def kernel(x, offset):
+        t = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x.ap(pattern=[[3, 1], [1, 3]], offset=offset))
+        return _store(t)
+
+    np.testing.assert_array_equal(run(lambda x: kernel(x, 12), (x, "float32"))[0], [[12, 13, 14]])
+    with pytest.raises(emu.EmulatorError, match="out-of-bounds access: .* element 15 of 15"):
+        run(lambda x: kernel(x, 13), (x, "float32"))
 
 
 def _gather(x, idx_hbm, oob):
@@ -294,6 +339,46 @@ def test_predicated_copy_selects_and_enforces_its_rules():
         run(lambda: bad(src=0))
 
 
+def test_engine_copies_keep_the_partition_layout():
+    """An engine works partition by partition: tensor_copy moves [4, 4] to [4, 4] (also as
+    [4, 2, 2]), never to [2, 8] or [8, 2] with the same element count (fp32 tiles)."""
+    def kernel(dst_shape):
+        dst = nl.ndarray(dst_shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=dst, src=_sbuf((4, 4)))
+
+    run(lambda: kernel((4, 4)))
+    run(lambda: kernel((4, 2, 2)))
+    for shape in ((2, 8), (8, 2)):
+        with pytest.raises(emu.EmulatorError, match="tensor_copy shapes differ per partition"):
+            run(lambda: kernel(shape))
+
+
+def test_vector_engine_reads_at_most_one_psum_operand():
+    """scalar_tensor_tensor computes (data op0 operand0) op1 operand1 with a per-partition
+    operand0, and reads at most one of data and operand1 from PSUM (2 x 3 tiles, fp32)."""
+    def kernel(data_buf, op1_buf):
+        def tile(buf, value):
+            t = _sbuf((2, 3), value=value)
+            if buf == emu.SBUF:
+                return t
+            p = nl.ndarray((2, 3), dtype=nl.float32, buffer=nl.psum)
+            nisa.tensor_copy(dst=p, src=t)
+            return p
+
+        col = nl.ndarray((2, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=col[0:1, :], value=10.0)
+        nisa.memset(dst=col[1:2, :], value=20.0)
+        dst = nl.ndarray((2, 3), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=dst, data=tile(data_buf, 2.0), op0=nl.multiply, operand0=col,
+                                  op1=nl.add, operand1=tile(op1_buf, 1.0))
+        return _store(dst)
+
+    for bufs in ((emu.SBUF, emu.SBUF), (emu.PSUM, emu.SBUF), (emu.SBUF, emu.PSUM)):
+        np.testing.assert_array_equal(run(lambda: kernel(*bufs))[0], [[21.0] * 3, [41.0] * 3])
+    with pytest.raises(emu.EmulatorError, match="cannot both be in PSUM"):
+        run(lambda: kernel(emu.PSUM, emu.PSUM))
+
+
 def test_bf16_rounds_to_nearest_even():
     vals = np.array([[1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8 + 2.0 ** -12), 3.0e38]], dtype=np.float32)
 
@@ -304,10 +389,16 @@ def test_bf16_rounds_to_nearest_even():
         nisa.tensor_copy(dst=b, src=t)
         return _store(b)
 
-    got = run(kernel, (vals, "float32"))[0]
+    def by_dma(x):  # a DMA between dtypes converts through fp32 with the same rounding
+        b = nl.ndarray((1, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=b, src=x)
+        return _store(b)
+
     expected = torch.tensor(vals).to(torch.bfloat16).float().numpy()  # torch rounds to nearest even too
-    np.testing.assert_array_equal(got, expected)
-    np.testing.assert_array_equal(got[0, :3], [1.0, 1 + 2.0 ** -6, -(1 + 2.0 ** -7)])
+    for k in (kernel, by_dma):
+        got = run(k, (vals, "float32"))[0]
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(got[0, :3], [1.0, 1 + 2.0 ** -6, -(1 + 2.0 ** -7)])
     with pytest.raises(emu.EmulatorError, match="exactly representable in bf16"):
         run(lambda x: x, (vals, "bfloat16"))
 
@@ -332,9 +423,16 @@ def test_forward_kernel_fits_sbuf_at_large_k_only_with_narrowed_panels():
     p = _contract.check_args(a, b, offs)
     assert neuron.panel_width(8192, 4) == 256
     out, _ = neuron.run_on_emulator(p, a, b, offs, None, 256)
-    assert out.shape == (256, 512)
+    assert_close(out, *reference_results(a, b, offs), what="K = 8192 with 256-column panels")
     with pytest.raises(emu.EmulatorError, match="sbuf over capacity"):
         neuron.run_on_emulator(p, a, b, offs, None, 256, n_panel=512)
+    # Wider rows than that budget are declined: K x itemsize <= 64 KiB.
+    for K, dtype, fits in ((16384, torch.float32, True), (16385, torch.float32, False),
+                           (32768, torch.bfloat16, True), (32769, torch.bfloat16, False)):
+        meta = dict(device="meta", dtype=dtype)
+        a8, b2 = torch.empty(8, K, **meta), torch.empty(2, K, 16, **meta)
+        q = _contract.check_args(a8, b2, offs.to("meta"))
+        assert neuron.nki_fits(q) is fits, (K, dtype)
 
 
 def test_weight_gradient_kernel_declines_more_blocks_than_its_flags_fit():

@@ -83,6 +83,31 @@ def test_2d2d_multi_tile(engine, block, passes, dtype, out_dtype):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("weights", ("contiguous", "transposed"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_2d3d_rows_wider_than_one_gather_dma(engine, weights, dtype):
+    """K = 600 > 512: the forward gathers each row in two DMAs (columns 0..511 and 512..599),
+    the second at a column offset; the other tests keep K <= 200 (one DMA per row), so a wrong
+    offset there went unnoticed. a [150, 600], b [3, 600, 130]; fp32 and bf16."""
+    case = Case("2d3d", 3, 150, 600, 130, dtype, (40, 40, 140), stride_b=weights, bias=True,
+                out_dtype=None, **BASE)
+    check_case(NkiImpl(engine, 128), case)
+
+
+def test_transposed_weights_are_read_in_place():
+    """The input gradient's weights, a transposed view of [G, N, K] storage, go to the kernel as
+    that storage (w_transposed: the kernel transposes tiles on chip), not as a [G, K, N] copy.
+    a [20, 40], b [3, 40, 30] (a view of [3, 30, 40]), fp32."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(20, 40, generator=gen), torch.randn(3, 30, 40, generator=gen).transpose(1, 2)
+    offs = torch.tensor([5, 5, 20])
+    p = _contract.check_args(a, b, offs)
+    _, args, kwargs = neuron._kernel_call(p, a, b, offs, None)
+    assert kwargs["w_transposed"]
+    assert args[1].data_ptr() == b.data_ptr() and args[1].shape == (3, 30, 40)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_random_shapes_across_tiles(engine):
     impl = NkiImpl(engine)
 
