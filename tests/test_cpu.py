@@ -203,6 +203,7 @@ def test_gradcheck_through_the_native_kernel():
     assert torch.autograd.gradcheck(lambda x, y, z: moe_ops.grouped_mm(x, y, offs, z), (a, b, bias))
 
 
+@pytest.mark.outside_cpp
 def test_compiled_graph_runs_the_native_kernel():
     a = torch.randn(64, 32, dtype=torch.bfloat16)
     w = torch.randn(4, 48, 32, dtype=torch.bfloat16)
@@ -1191,6 +1192,7 @@ def test_element_offsets_past_2_to_the_31(tmp_path, dtype):
         check(moe_ops.grouped_mm(a, b, offs), a, b, offs, None, None, what=f"op {name}")
 
 
+@pytest.mark.outside_cpp
 def test_without_the_compiled_module_the_reference_serves_cpu_calls():
     code = (
         "import sys, logging\n"
@@ -1215,6 +1217,7 @@ def test_without_the_compiled_module_the_reference_serves_cpu_calls():
     assert r.stderr.count("does not serve this call") == 1  # kernel_entry's fallback note, once
 
 
+@pytest.mark.outside_cpp
 def test_the_generic_level_and_the_cache_limit_are_reported_as_documented():
     """At MOE_OPS_CPU_ISA=generic the items run ATen's mm: kernel_counts and the status call that
     kernel "cpu:aten" (README), the status names no bf16 scheme, and it gives the cache limit
@@ -1251,6 +1254,7 @@ def test_kernel_counts_credit_each_call_to_its_own_kernel():
     assert moe_ops.kernel_counts() == {"test:concrete": 1, "test:plain": 1}
 
 
+@pytest.mark.outside_cpp
 def test_the_compiled_module_refuses_another_torch():
     """Built against one torch, moe_ops._cpu does not load (nor register anything) under another:
     CPU calls use the reference and the status says why."""
@@ -1266,6 +1270,7 @@ def test_the_compiled_module_refuses_another_torch():
     assert "OPS False" in r.stdout and "COUNTS {'reference': 1}" in r.stdout
 
 
+@pytest.mark.outside_cpp
 def test_a_failed_rebuild_removes_the_modules_an_earlier_build_left(tmp_path):
     """setup.py's C++ modules are optional: a compile error is reported and the install goes on
     with the reference. The earlier build's module must not stay behind then (in the build tree,
@@ -1289,6 +1294,7 @@ def test_a_failed_rebuild_removes_the_modules_an_earlier_build_left(tmp_path):
     assert r.stderr.count("an earlier build of a module that did not build now") == 2
 
 
+@pytest.mark.outside_cpp
 def test_the_suite_collects_without_the_compiled_module():
     # Found on an H200 machine, where the extension is not built: parametrize arguments computed
     # at import time asked the missing extension and the whole run stopped at collection.
@@ -1305,6 +1311,7 @@ def test_the_suite_collects_without_the_compiled_module():
 
 
 @pytest.mark.parametrize("extra", [[], ["--huge-page-weights", "--modes", "fwd,wgrad"]], ids=["plain", "huge-page-weights"])
+@pytest.mark.outside_cpp
 def test_benchmark_smoke(tmp_path, extra):
     r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench.py"), "--quick", "--devices", "cpu",
                         "--dtypes", "bf16", "--out-dir", str(tmp_path), "--no-plot", *extra],
@@ -1376,6 +1383,7 @@ def test_cpu_huge_pages_moves_weights_in_place():
     region.close()
 
 
+@pytest.mark.outside_cpp
 def test_benchmarks_say_how_tensors_are_paged(monkeypatch):
     """bench.py and decode.py report whether torch's large CPU tensors (the expert weights) are in
     huge pages: Linux's THP mode, and torch's THP_MEM_ALLOC_ENABLE where the mode is madvise."""
@@ -1404,6 +1412,7 @@ def test_benchmarks_say_how_tensors_are_paged(monkeypatch):
     assert unset in devices.Cpu(None).describe()
 
 
+@pytest.mark.outside_cpp
 def test_schemes_benchmark_smoke(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "schemes.py"), "--shapes", "quick",
                         "--rounds", "1", "--flush-mib", "1", "--out", str(tmp_path)],
@@ -1419,6 +1428,7 @@ def test_schemes_benchmark_smoke(tmp_path):
         assert set(row["over_direct"]) == {"swapped", "swapped512"} and min(row["over_direct"].values()) > 0
 
 
+@pytest.mark.outside_cpp
 def test_decode_and_host_overhead_benchmarks_smoke(tmp_path):
     """benchmarks/decode.py (small weights, two rounds: every peer's result is checked against
     the loop of torch.mm before it is timed) and benchmarks/host_overhead.py run and write their
@@ -1439,6 +1449,7 @@ def test_decode_and_host_overhead_benchmarks_smoke(tmp_path):
     assert len(timed) == 6 and all("torch._grouped_mm" in row for row in timed.values())
 
 
+@pytest.mark.outside_cpp
 def test_decode_benchmark_refuses_to_time_a_nan_result(monkeypatch):
     """decode.py checks every peer against the loop of torch.mm before timing it; a NaN result
     fails that check (it once passed: NaN > tolerance is False). fp32, G=4, 16 routed rows."""
@@ -1471,6 +1482,7 @@ def test_env_values_the_cpu_module_would_misread_are_reported():
         assert "reads as " + reads in msg, (bad, msg)
 
 
+@pytest.mark.outside_cpp
 def test_benchmark_targets_compare_with_grouped_mm_on_every_shape(monkeypatch):
     """bench.py's targets: the ratio targets for issue #6's shapes, and "never slower than
     torch._grouped_mm" over every case, the models' ones too (it once looked at the issue's
@@ -1492,6 +1504,7 @@ def test_benchmark_targets_compare_with_grouped_mm_on_every_shape(monkeypatch):
                                      "SLOWER on OLMoE /2 fwd bf16")
 
 
+@pytest.mark.outside_cpp
 def test_benchmark_memory_floor():
     """The floor is bytes of the G expert matrices / bandwidth, over the dense time, at least 1."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))

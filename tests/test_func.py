@@ -228,6 +228,7 @@ def test_python_kernel_refuses_func_transforms_clearly():
         moe_ops._op.use_autograd(before)
 
 
+@pytest.mark.outside_cpp
 def test_compiled_func_grad_and_jvp(cpp_autograd):
     """torch.compile over torch.func.grad and torch.func.jvp of the op."""
     torch._dynamo.reset()
@@ -242,6 +243,7 @@ def test_compiled_func_grad_and_jvp(cpp_autograd):
 
 
 @pytest.mark.parametrize("layout", ["2d2d", "3d2d"])
+@pytest.mark.outside_cpp
 def test_compiled_per_sample_gradients(cpp_autograd, layout):
     """torch.compile over vmap(grad) with mat_a and mat_b both per-sample: the backward's 3Dx2D
     call is folded by the batching rule, whose tail zeroing failed to functionalize there (an
@@ -260,6 +262,7 @@ def test_compiled_per_sample_gradients(cpp_autograd, layout):
 
 
 @pytest.mark.parametrize("layout,bias", CASES)
+@pytest.mark.outside_cpp
 def test_compiled_jacfwd_with_dynamic_shapes(cpp_autograd, layout, bias):
     """torch.compile(dynamic=True) over jacfwd (a vmap of jvp): the batched tangent came out of
     the batching rule with its batch inside ([M, B, N]), so setting it on the contiguous output

@@ -290,6 +290,7 @@ def test_vmap_under_autocast():
     assert torch.equal(looped, torch.stack(want))
 
 
+@pytest.mark.outside_cpp
 def test_compiled_vmap():
     """torch.compile traces the rule with fake tensors, which have no values: there the offs are
     clamped (cummax(clamp(offs, 0, extent)), as on accelerators) instead of checked."""
@@ -304,6 +305,7 @@ def test_compiled_vmap():
     torch.testing.assert_close(got, torch.stack([oracle(a[s], bs[s], clamped[s]) for s in range(3)]))
 
 
+@pytest.mark.outside_cpp
 def test_compiled_nested_vmap_over_per_sample_routing():
     """Two vmaps over per-sample routing (2Dx3D, mat_a [2, 3, 10, 6] and offs [2, 3, 3] int64
     batched at both levels, mat_b shared) under torch.compile, where offs values cannot be read:
@@ -320,6 +322,7 @@ def test_compiled_nested_vmap_over_per_sample_routing():
 
 
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
+@pytest.mark.outside_cpp
 def test_compiled_vmap_with_both_matrices_batched(layout):
     """torch.compile over vmap with mat_a and mat_b both batched (ensembles; per-sample weight
     gradients are such calls): the folded call's tail zeroing must survive functionalization.
