@@ -6,7 +6,8 @@ Categories:
   for each target through ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``;
 * the 16-bit variants use the target's tensor-core instructions: mma.sync / HMMA on sm_80,
   wgmma / HGMMA on sm_90, tcgen05.mma / UTCHMMA on sm_100 (PTX, and SASS from the cuobjdump that
-  ships with triton);
+  ships with triton), on their own operand type (bf16 / f16, not tf32), with the compile-time
+  arguments the launcher passes on a GPU (``common_constexprs``);
 * their K loop is software pipelined (asynchronous global->shared copies in the TTGIR), which a
   mask along a contiguous dimension silently prevents;
 * no register spills beyond a small epilogue stack (cuobjdump -res-usage);
@@ -38,6 +39,10 @@ _TL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", tor
 # PTX and SASS of a 16-bit tensor-core MMA on each target.
 _MMA_PTX = {80: "mma.sync.aligned", 90: "wgmma.mma_async", 100: "tcgen05.mma"}
 _MMA_SASS = {80: "HMMA", 90: "HGMMA", 100: "UTCHMMA"}
+# The operand types each target's MMA names in the PTX (sm_100's tcgen05.mma carries them in its
+# instruction descriptor and names only the kind: f16 for fp16 and bf16 alike).
+_PTX_TYPE = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32"}
+_MMA_OPERANDS = {80: r"\.row\.col\.f32\.{t}\.{t}\.f32", 90: r"k\d+\.f32\.{t}\.{t}\b", 100: r"\.kind::{kind}\b"}
 
 
 @dataclass(frozen=True)
@@ -101,9 +106,7 @@ def _source(v: Variant, arch: int, monkeypatch):
         monkeypatch.setenv(name, value)
     fn = tk._rows_kernel if v.kernel == "rows" else tk._ragged_k_kernel
     cfg = tk.tile_config(arch, v.dtype)
-    constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, ACC_DTYPE=tk._acc_dtype(v.dtype),
-                      PRECISION=tk._precision(v.dtype), DOT_UPCAST=False,
-                      EPILOGUE_SPLIT=cfg.epilogue_split)
+    constexprs = tk.common_constexprs(cfg, v.dtype, interpret=False)  # what a GPU launch passes
     assert constexprs["PRECISION"] == v.precision
     if v.kernel == "rows":
         constexprs.update(HAS_OFFS=v.has_offs, HAS_BIAS=v.has_bias, TMA=v.tma, B_K_CONTIGUOUS=v.b_k_contiguous)
@@ -173,6 +176,12 @@ def test_kernel_variant_compiles_for_target(name, arch, monkeypatch):
         assert "cp.async.bulk.tensor" in ptx, f"{name} on sm_{arch}: no TMA copy in the PTX"
     if v.mma == "tensor cores":
         assert _MMA_PTX[arch] in ptx, f"{name} on sm_{arch}: no {_MMA_PTX[arch]} in the PTX"
+        # On the inputs' own type: a bf16 dot upcast to fp32 (the interpreter's workaround) would
+        # still use tensor cores, as tf32 at half the rate or less.
+        t = _PTX_TYPE[v.dtype]
+        operands = _MMA_OPERANDS[arch].format(t=t, kind="tf32" if t == "tf32" else "f16")
+        mmas = set(re.findall(re.escape(_MMA_PTX[arch]) + r"[\w.:]*", ptx))
+        assert mmas and all(re.search(operands, m) for m in mmas), f"{name} on sm_{arch}: MMAs {sorted(mmas)}"
         ttgir = kernel.asm["ttgir"]
         assert "async_copy_global_to_local" in ttgir or "async_tma_copy" in ttgir, \
             f"{name} on sm_{arch}: the K loop is not software pipelined"

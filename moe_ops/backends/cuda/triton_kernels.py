@@ -584,6 +584,15 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float64 else "tf32"
 
 
+def common_constexprs(config: TileConfig, dtype: torch.dtype, interpret: bool) -> dict:
+    """The compile-time arguments both kernels take for inputs of ``dtype`` under ``config``:
+    the launches' and the ahead-of-time compile tests' one source. DOT_UPCAST only in the
+    interpreter (triton-lang/triton#11584); compiled kernels dot bf16 tiles as they are."""
+    return dict(BM=config.BM, BN=config.BN, BK=config.BK, GROUP_M=config.GROUP_M, ACC_DTYPE=_acc_dtype(dtype),
+                PRECISION=_precision(dtype), DOT_UPCAST=interpret and dtype == torch.bfloat16,
+                EPILOGUE_SPLIT=config.epilogue_split)
+
+
 def rows_per_group(p: Problem) -> Optional[int]:
     """Average rows per group of the row tiles ``_rows_kernel`` cuts, for ``tile_config``: M / G
     for 2Dx3D, N / G for 3Dx2D (its rows are the columns of out, grouped by offs), M for 3Dx3D
@@ -631,11 +640,7 @@ def grouped_mm(p: Problem, mat_a, mat_b, offs, bias, *, interpret: bool = False,
             config = INTERPRETER_CONFIG_TMA if tma_requested() else INTERPRETER_CONFIG
         else:
             config = tile_config(arch, p.dtype, rows_per_group(p))
-    common = dict(
-        BM=config.BM, BN=config.BN, BK=config.BK, GROUP_M=config.GROUP_M,
-        ACC_DTYPE=_acc_dtype(p.dtype), PRECISION=_precision(p.dtype),
-        DOT_UPCAST=interpret and p.dtype == torch.bfloat16, EPILOGUE_SPLIT=config.epilogue_split,
-    )
+    common = common_constexprs(config, p.dtype, interpret)
 
     launch = launch_options(config)
     run = _interpret_launch if interpret else _launch
