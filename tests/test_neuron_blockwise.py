@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -57,6 +57,10 @@ def test_matches_oracle(block):
 
     @settings(max_examples=max(10, settings().max_examples // 2))
     @given(case=cases(layouts=neuron.LAYOUTS))
+    # The CI profile (derandomised) draws no 2D x 3D case with rows past offs[-1] and K > 0:
+    # those rows must come out zero (no bias), whatever block holds them.
+    @example(case=Case("2d3d", 3, 23, 8, 5, torch.float32, (4, 9, 16), torch.int64, "contiguous",
+                       "contiguous", True, None, 7))
     def run(case):
         check_case(impl, case)
 

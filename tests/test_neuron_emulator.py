@@ -195,6 +195,46 @@ def test_matmul_accumulate_needs_a_matmul_initialised_psum():
     assert np.all(run(twice)[0] == 24.0)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_matmul_sums_16_bit_products_in_fp32_in_partition_order(dtype):
+    """The emulator's Tensor Engine sum (see ``_tensor_engine_sum``) for bf16 / fp16 operands.
+
+    stationary [128, 1] of ones, so the result [1, 4] is each moving column's sum over the 128
+    partitions; every value is exact in bf16 and fp16 (2^-24 is fp16's smallest subnormal).
+    The expected values are worked out by hand: near 1, fp32 values are 2^-23 apart, so
+    1 + 2^-24 is a tie and rounds to the even 1. A sum in fp64 (or any order but partitions
+    0..127), or running in bf16 / fp16 (1 + 2^-12 rounds to 1 there), gives another value.
+    """
+    tiny = 2.0 ** -24
+    first = np.zeros((128, 4))
+    first[:, 0] = [1.0] + [tiny] * 127  # 1, then 127 ties that each round back to 1
+    first[:, 1] = [tiny] * 127 + [1.0]  # 127 * 2^-24 (exact), + 1: 1 + 63.5 * 2^-23 -> even 64
+    first[0:2, 2] = [1.0, 2.0 ** -12]  # exact in fp32, not in bf16 (2^-7 apart) nor fp16 (2^-10)
+    first[0, 3] = 1.0
+    # A second matmul with accumulate=True adds its own sum, 128 * 2^-24 = 2^-17 (exact), to the
+    # PSUM value 1 once; starting its running sum from the PSUM value would leave 1.
+    second = np.zeros((128, 4))
+    second[:, 3] = tiny
+    storage = np.float32 if dtype == "bfloat16" else np.float16
+
+    def kernel(ones, mov1, mov2):
+        def load(x):
+            t = nl.ndarray(x.shape, dtype=dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=x)
+            return t
+
+        stat = load(ones)
+        dst = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=dst, stationary=stat, moving=load(mov1), accumulate=False)
+        nisa.nc_matmul(dst=dst, stationary=stat, moving=load(mov2), accumulate=True)
+        res = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=res, src=dst)
+        return _store(res)
+
+    got = run(kernel, *((a.astype(storage), dtype) for a in (np.ones((128, 1)), first, second)))[0]
+    np.testing.assert_array_equal(got, [[1.0, 1 + 2.0 ** -17, 1 + 2.0 ** -12, 1 + 2.0 ** -17]])
+
+
 def test_transpose_reads_sbuf_writes_psum_same_dtype():
     def kernel(x, dst_buf=emu.PSUM, dst_dtype="float32"):
         t = nl.ndarray((4, 3), dtype=nl.float32, buffer=nl.sbuf)
