@@ -416,6 +416,30 @@ def test_bf16_kernels_on_row_and_column_edges(level, K):
             check(out, a, b, offs, bias, out_dtype, what=f"{level} {name} K={K} N={N} out {out_dtype}")
 
 
+@pytest.mark.parametrize("K", [31, 129])
+@pytest.mark.parametrize("level", machine_levels(("avx512_bf16",) + SWAPPED))
+def test_bf16_pairs_of_an_odd_k_never_read_the_row_past_k(level, K):
+    """mat_a [79, K] bf16, mat_b [4, K, 40] bf16 (n-contiguous, a view of [4, K + 1, 40] whose
+    row K of every group is NaN), offs [1, 4, 9, 79], bias [4, 40], K odd: the last pair of k has
+    no second row, so row K of a group's W is never read; a kernel that read it (times the zero
+    high half of A's last pair) would put NaN in the output. K = 31: pairs packed from the rows
+    (pair_pack_b_rows); K = 129: built as the block multiplies (vb_raw_kernel, K >= 128); groups
+    of 1 and 3 rows (rows of W streamed), 5 and 70 (the blocked kernel), both output dtypes. The
+    edges test's NaN follow each row's columns, not a group's last row, and the guard-page test
+    has no odd K of 128 or more with these weights: a read of row K passed both."""
+    gen = torch.Generator().manual_seed(K)
+    G, N = 4, 40
+    offs = torch.tensor([1, 4, 9, 79], dtype=torch.int32)
+    a = torch.randn(79, K, generator=gen).bfloat16()
+    w = torch.full((G, K + 1, N), float("nan"), dtype=torch.bfloat16)
+    w[:, :K] = torch.randn(G, K, N, generator=gen).bfloat16()
+    b = w[:, :K]
+    bias = torch.randn(G, N, generator=gen).bfloat16()
+    for out_dtype in (None, torch.float32):
+        out = run((a, b, offs, bias, out_dtype), level)
+        check(out, a, b, offs, bias, out_dtype, what=f"{level} K={K} out {out_dtype}")
+
+
 @pytest.mark.parametrize("weights", ["[G,N,K]", "[G,K,N]"])
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, None), (torch.float16, None),
                                              (torch.float16, torch.float32), (torch.bfloat16, None)], ids=str)

@@ -143,6 +143,20 @@ def test_func_grad_and_vjp(cpp_autograd, layout, bias):
     _close(vjp(op, *args)[1](cot), vjp(ref, *args)[1](cot))
 
 
+@pytest.mark.parametrize("layout", ["2d3d", "3d3d"])
+def test_func_grad_of_each_argument_alone(cpp_autograd, layout):
+    """torch.func.grad with respect to mat_a, mat_b or the bias alone (small_problem's float64
+    operands, with a bias): only that argument is differentiated, so the node's other inputs
+    need no gradient. The bias gradient must not depend on whether mat_b's is wanted (a node
+    that asked about the wrong output gave zeros for argnums=2 and passed the all-at-once test
+    above)."""
+    args, offs = small_problem(layout, bias=True)
+    op, ref = _fns(offs, True)
+    loss = lambda f: lambda *x: f(*x).sin().sum()  # noqa: E731
+    for argnum in range(len(args)):
+        _close(grad(loss(op), argnums=argnum)(*args), grad(loss(ref), argnums=argnum)(*args))
+
+
 @pytest.mark.parametrize("layout,bias", CASES)
 def test_func_jvp_every_subset_of_tangents(cpp_autograd, layout, bias):
     args, offs = small_problem(layout, bias=bias)
