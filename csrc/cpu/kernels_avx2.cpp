@@ -40,6 +40,12 @@ namespace {
 
 #include "kernel_common.h"
 
+// Streaming stores, which ASan does not see (kernel_common.h): checked first in a sanitizer build.
+inline void stream_ps256(float* p, __m256 v) { check_bytes(p, 32, true); _mm256_stream_ps(p, v); }
+inline void stream_pd256(double* p, __m256d v) { check_bytes(p, 32, true); _mm256_stream_pd(p, v); }
+inline void stream_si128(void* p, __m128i v) { check_bytes(p, 16, true); _mm_stream_si128((__m128i*)p, v); }
+inline void stream_si256(void* p, __m256i v) { check_bytes(p, 32, true); _mm256_stream_si256((__m256i*)p, v); }
+
 // ---------------------------------------------------------------------------------------------
 // Vector loads and stores.
 
@@ -120,14 +126,14 @@ inline void put_vec(typename Ty<O>::T* p, int64_t sn, typename Vec<O == Dt::f64 
   constexpr int64_t L = O == Dt::f64 ? 4 : 8;
   if (sn == 1 && count >= L) {
     if constexpr (O == Dt::f32) {
-      if (stream && ((uintptr_t)p & 31) == 0) _mm256_stream_ps(p, v);
+      if (stream && ((uintptr_t)p & 31) == 0) stream_ps256(p, v);
       else _mm256_storeu_ps(p, v);
     } else if constexpr (O == Dt::f64) {
-      if (stream && ((uintptr_t)p & 31) == 0) _mm256_stream_pd(p, v);
+      if (stream && ((uintptr_t)p & 31) == 0) stream_pd256(p, v);
       else _mm256_storeu_pd(p, v);
     } else {
       const __m128i h = O == Dt::bf16 ? f32_to_bf16x8(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-      if (stream && ((uintptr_t)p & 15) == 0) _mm_stream_si128((__m128i*)p, h);
+      if (stream && ((uintptr_t)p & 15) == 0) stream_si128(p, h);
       else _mm_storeu_si128((__m128i*)p, h);
     }
     return;
@@ -227,7 +233,7 @@ __attribute__((always_inline)) inline void store_rows(const Task& t, int64_t row
 #pragma GCC unroll 6
       for (int i = 0; i < R; ++i) {
         const __m256i h = f32_to_16bit_x16<O>(VT::add(acc[i][0], bias0), VT::add(acc[i][1], bias1));
-        if (nt) _mm256_stream_si256((__m256i*)(c + i * sm), h);
+        if (nt) stream_si256(c + i * sm, h);
         else _mm256_storeu_si256((__m256i*)(c + i * sm), h);
       }
       return;

@@ -61,30 +61,17 @@ inline __mmask8 mask8(int64_t n) { return n >= 8 ? (__mmask8)0xFF : (__mmask8)((
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1); }
 
 // ---------------------------------------------------------------------------------------------
-// Masked loads and stores, the edges of every row. GCC's AddressSanitizer instruments plain
-// loads and stores but not these intrinsics (measured: a masked load reaching 4 bytes past a
-// malloc'd buffer went unreported, a plain one was caught), so in a sanitizer build
-// (.ci/sanitizers.sh) each one first checks the bytes of its lanes, first to last set lane (the
-// masks here are prefixes), and reports like an instrumented access. Otherwise they are the
+// Masked loads and stores, the edges of every row, and streaming stores. ASan does not see them
+// (kernel_common.h), so in a sanitizer build each first checks its bytes: a masked access those
+// of its lanes, first to last set lane (the masks here are prefixes). Otherwise they are the
 // intrinsics.
-#if defined(__SANITIZE_ADDRESS__)
-extern "C" void __asan_report_load_n(uintptr_t addr, size_t size);
-extern "C" void __asan_report_store_n(uintptr_t addr, size_t size);
-extern "C" void* __asan_region_is_poisoned(void* beg, size_t size);
 inline void check_lanes(const void* p, uint64_t mask, int lane_bytes, bool store) {
   if (mask == 0) return;
   const int lo = __builtin_ctzll(mask), hi = 63 - __builtin_clzll(mask);
-  char* beg = (char*)p + (int64_t)lo * lane_bytes;
-  const size_t size = (size_t)(hi - lo + 1) * lane_bytes;
-  if (char* bad = (char*)__asan_region_is_poisoned(beg, size)) {  // the first poisoned byte
-    const size_t rest = (size_t)(beg + size - bad);
-    if (store) __asan_report_store_n((uintptr_t)bad, rest);
-    else __asan_report_load_n((uintptr_t)bad, rest);
-  }
+  check_bytes((const char*)p + (int64_t)lo * lane_bytes, (size_t)(hi - lo + 1) * lane_bytes, store);
 }
-#else
-inline void check_lanes(const void*, uint64_t, int, bool) {}
-#endif
+inline void stream_si512(void* p, __m512i v) { check_bytes(p, 64, true); _mm512_stream_si512((__m512i*)p, v); }
+inline void stream_ps512(float* p, __m512 v) { check_bytes(p, 64, true); _mm512_stream_ps(p, v); }
 inline __m512 masked_load_ps(__mmask16 m, const float* p) { check_lanes(p, m, 4, false); return _mm512_maskz_loadu_ps(m, p); }
 inline __m512d masked_load_pd(__mmask8 m, const double* p) { check_lanes(p, m, 8, false); return _mm512_maskz_loadu_pd(m, p); }
 inline __m128i masked_load_epi16x8(__mmask8 m, const uint16_t* p) {
@@ -712,7 +699,7 @@ inline bool stream_bf16x32(const Task& t, const void* p, int64_t cols_left) {
 }
 // One row piece of up to 32 bf16 (the columns in cm) at p: streamed (nt: all 32, line-aligned).
 inline void put_bf16x32(uint16_t* p, __m512i v, __mmask32 cm, bool nt) {
-  if (nt) _mm512_stream_si512((__m512i*)p, v);
+  if (nt) stream_si512(p, v);
   else masked_store_epi16x32(p, cm, v);
 }
 
@@ -739,7 +726,7 @@ void store_block(const Task& t, int64_t row0, int64_t col0, const float* blk, in
     for (int64_t j = 0; j < cols; j += 16) {
       __m512 v = _mm512_add_ps(_mm512_loadu_ps(blk + i * ldb + j), _mm512_loadu_ps(bias + j));
       if (O == Dt::f32 && stream_f32x16(t, crow + j, cols - j)) {
-        _mm512_stream_ps((float*)(crow + j), v);
+        stream_ps512((float*)(crow + j), v);
       } else {
         put16_f32<O>(crow + j * t.c_sn, t.c_sn, v, cols - j);
       }
@@ -1515,17 +1502,17 @@ inline void fma_store_full(const Task& t, int64_t row0, int64_t col0, __m512 (&a
       if constexpr (O == Dt::bf16) {
         const __m512i lo = f32_to_bf16x32_native(v0, v1), hi = f32_to_bf16x32_native(v2, v3);
         if constexpr (kNt) {
-          _mm512_stream_si512((__m512i*)p, lo);
-          _mm512_stream_si512((__m512i*)(p + 32), hi);
+          stream_si512(p, lo);
+          stream_si512(p + 32, hi);
         } else {
           _mm512_storeu_si512(p, lo);
           _mm512_storeu_si512(p + 32, hi);
         }
       } else if constexpr (kNt) {
-        _mm512_stream_ps(p, v0);
-        _mm512_stream_ps(p + 16, v1);
-        _mm512_stream_ps(p + 32, v2);
-        _mm512_stream_ps(p + 48, v3);
+        stream_ps512(p, v0);
+        stream_ps512(p + 16, v1);
+        stream_ps512(p + 32, v2);
+        stream_ps512(p + 48, v3);
       } else {
         _mm512_storeu_ps(p, v0);
         _mm512_storeu_ps(p + 16, v1);
@@ -1568,7 +1555,7 @@ inline void fma_store(const Task& t, int64_t row0, int64_t col0, int64_t nc, __m
       if (j * 16 >= nc) break;
       const __m512 v = _mm512_add_ps(acc[i][j], _mm512_load_ps(bias + 16 * j));
       if (O == Dt::f32 && stream_f32x16(t, crow + 16 * j, nc - 16 * j)) {
-        _mm512_stream_ps((float*)(crow + 16 * j), v);
+        stream_ps512((float*)(crow + 16 * j), v);
       } else {
         put16_f32<O>(crow + 16 * j * t.c_sn, t.c_sn, v, nc - 16 * j);
       }
