@@ -164,11 +164,18 @@ def _named_cases():
                 out_dtype=None, seed=7)
     return {
         "M=0": Case("2d3d", 3, 0, 8, 5, f32, (0, 0, 0), **base),
+        # An empty result has out_dtype too (a TPU mutant that gave it bf16 passed every test).
+        "M=0, out_dtype": Case("2d3d", 3, 0, 8, 5, bf16, (0, 0, 0), **{**base, "out_dtype": f32}),
         "K=0 with bias": Case("2d3d", 3, 9, 0, 5, f32, (2, 2, 9), **{**base, "bias": True}),
         # Rows past offs[-1] stay zero, not the last group's bias (a TPU mutant that gave them
         # that bias passed every test while the only K = 0 case had offs[-1] = M).
         "K=0 with bias, offs[-1] < M": Case("2d3d", 3, 9, 0, 5, f32, (2, 2, 6), **{**base, "bias": True}),
         "K=0 2d2d": Case("2d2d", 3, 4, 0, 5, f32, (0, 0, 0), **base),
+        # The zeros of an empty contraction in out_dtype, not the inputs' dtype (TPU mutants that
+        # made them bf16 passed every test: no drawn case had K = 0 with out_dtype).
+        "K=0, out_dtype": Case("2d3d", 3, 9, 0, 5, bf16, (2, 2, 6), **{**base, "out_dtype": f32}),
+        "K=0 2d2d, out_dtype": Case("2d2d", 3, 4, 0, 5, bf16, (0, 0, 0),
+                                    **{**base, "out_dtype": f32}),
         "N=1": Case("2d3d", 2, 17, 8, 1, bf16, (5, 17), **base),
         "G=1": Case("2d3d", 1, 33, 16, 8, f32, (33,), **base),
         "G=256 sparse": Case("2d3d", 256, 40, 8, 8, bf16, tuple(min(40, g // 5) for g in range(256)), **base),

@@ -223,6 +223,20 @@ def test_tpu_interpreter_no_races_and_nan_memory():
     assert not _races_found()
 
 
+def test_tpu_interpreter_reads_no_block_out_of_bounds():
+    """gmm's steps for rows past offs[-1] compute nothing and fetch the last computing step's
+    blocks, never block G of the weights or of the bias: on a TPU that is a DMA outside the
+    array, which the CPU's HLO interpreter clamps silently. The TPU interpreter raises on any
+    read out of bounds, partial edge blocks included, so the tiles divide every dimension here:
+    a [32, 16], b [3, 16, 8], bias [3, 8], offs (8, 8, 12) (20 tail rows: two tail steps), fp32."""
+    params = pltpu.InterpretParams(out_of_bounds_reads="raise")
+    gen = torch.Generator().manual_seed(8)
+    a, b, bias = _rand(gen, 32, 16), _rand(gen, 3, 16, 8), _rand(gen, 3, 8)
+    offs = torch.tensor([8, 8, 12], dtype=torch.int32)
+    out = tp.gmm(_j(a), _j(b), _j(offs), _j(bias), tiles=Tiles(16, 16, 8), interpret=params)
+    _check(out, a, b, offs, bias, what="gmm, reads in bounds")
+
+
 # --- MegaBlox ---------------------------------------------------------------------------------
 
 
