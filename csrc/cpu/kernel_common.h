@@ -1,6 +1,7 @@
 // What the x86 kernel files (kernels_x86.cpp: AVX-512 and AMX; kernels_avx2.cpp: AVX2) share:
-// the sanitizer build's check of accesses ASan does not instrument, index arithmetic, scalar conversions, the element-type traits and the spreading of software
-// prefetches over compute steps.
+// the sanitizer build's check of the accesses ASan does not instrument, index arithmetic,
+// scalar conversions, the element-type traits and the spreading of software prefetches over
+// compute steps.
 //
 // Each kernel file includes this inside its own anonymous namespace, after <immintrin.h>,
 // <stdint.h>, <string.h> and kernels.h, under its own `#pragma GCC target`: so each gets its own
