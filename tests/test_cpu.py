@@ -632,6 +632,8 @@ def test_large_groups_through_aten_mm_next_to_small_ones(layout, dtype):
     sa, sb = shapes[layout]
     a = torch.randn(*sa, generator=gen).to(dtype)
     b = torch.randn(*sb, generator=gen).to(dtype)
+    if layout == "2d2d":  # column-major, as the weight gradient's x^T: ATen's mm gets A's k stride
+        a = a.t().contiguous().t()
     if layout == "2d3d-nk":
         b = b.transpose(1, 2)
     o = None if offs[layout] is None else torch.tensor(offs[layout], dtype=torch.int32)
@@ -692,6 +694,36 @@ def test_a_bias_not_g_by_n_is_refused_before_it_is_read():
                 torch.ops.moe_cpu.grouped_mm(layout, mat_a, b, o, bias, torch.float32)
     good = torch.ops.moe_cpu.grouped_mm("2d3d", a, b, offs, torch.ones(3, 5), torch.float32)
     check(good, a, b, offs, torch.ones(3, 5), None)
+
+
+def test_offs_and_bias_the_contract_refuses_are_refused_by_the_kernels_own_op_too():
+    """torch.ops.moe_cpu.grouped_mm is callable without the contract's checks, and every group's
+    pointers come from offs: offs that is not a partition of [0, extent] (decreasing, past the
+    extent), not [G] long (2Dx3D, 3Dx2D), or missing, and a bias in 2Dx2D or 3Dx2D (where it has
+    no place and would be dropped) are refused with the op's own message. fp32, G = 3, extent 9."""
+    ok = torch.tensor([2, 5, 9], dtype=torch.int32)
+    cases = {  # layout: (mat_a, mat_b), the offs extent being 9 in each
+        "2d3d": (torch.randn(9, 8), torch.randn(3, 8, 5)),
+        "2d2d": (torch.randn(4, 9), torch.randn(9, 5)),
+        "3d2d": (torch.randn(3, 4, 8), torch.randn(8, 9)),
+    }
+    op = torch.ops.moe_cpu.grouped_mm
+    for layout, (a, b) in cases.items():
+        for bad in ([5, 2, 9], [2, 5, 10], [-1, 5, 9]):
+            with pytest.raises(RuntimeError, match="offs is not a partition"):
+                op(layout, a, b, torch.tensor(bad, dtype=torch.int32), None, torch.float32)
+        with pytest.raises(RuntimeError, match="offs missing"):
+            op(layout, a, b, None, None, torch.float32)
+        if layout != "2d2d":  # there G is offs' length
+            with pytest.raises(RuntimeError, match=r"offs must be \[3\]"):
+                op(layout, a, b, ok[:2], None, torch.float32)
+        else:
+            with pytest.raises(RuntimeError, match="no bias for 2d2d"):
+                op(layout, a, b, ok, torch.zeros(3, 5), torch.float32)
+        if layout == "3d2d":
+            with pytest.raises(RuntimeError, match="no bias for 3d2d"):
+                op(layout, a, b, ok, torch.zeros(3, 9), torch.float32)
+        check(op(layout, a, b, ok, None, torch.float32), a, b, ok, None, None, what=layout)
 
 
 @pytest.mark.parametrize("level", machine_levels(
@@ -805,6 +837,18 @@ def test_bf16_scheme_is_checked_before_it_is_narrowed():
             torch.ops.moe_cpu.grouped_mm("2d3d", a, b, offs, None, torch.bfloat16, -1, scheme)
     for scheme in (-1, 0, 1, 2):
         check(torch.ops.moe_cpu.grouped_mm("2d3d", a, b, offs, None, torch.bfloat16, -1, scheme),
+              a, b, offs, None, None)
+
+
+def test_far_prefetch_outside_its_three_values_is_refused():
+    """The op's private far_prefetch is -1 (this CPU's choice), 0 or 1: any other value (2 would
+    silently mean 0) is refused, before its narrowing. mat_a [4, 8] x mat_b [2, 8, 3], fp32."""
+    a, b, offs = torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([1, 4], dtype=torch.int32)
+    for far in (2, -2, 2**32 + 1):
+        with pytest.raises(RuntimeError, match="far_prefetch"):
+            torch.ops.moe_cpu.grouped_mm("2d3d", a, b, offs, None, torch.float32, -1, -1, far)
+    for far in (-1, 0, 1):
+        check(torch.ops.moe_cpu.grouped_mm("2d3d", a, b, offs, None, torch.float32, -1, -1, far),
               a, b, offs, None, None)
 
 
@@ -1050,6 +1094,51 @@ def test_output_cache_reports_its_blocks_to_the_memory_profiler():
 
 
 @needs_cache
+def test_output_cache_reports_freed_blocks_to_the_memory_profiler(tmp_path):
+    """Each block handed out and given back is reported both ways: after three calls whose outputs
+    ([8, 64, 4104] fp32, a 10 MiB block) are freed in turn, the profiler's running total of
+    allocated bytes is back where it started (a block not subtracted on its way back made the
+    total grow by a block a call), and the reserved total stays the same throughout: the block
+    moves between use and the cache (it was reported as unreserved while the cache held it)."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b, offs = torch.randn(16, 64), torch.randn(16, 4104), torch.arange(2, 17, 2)
+    moe_ops.grouped_mm(a.t(), b, offs)  # a block in the cache: the profiled calls reuse it
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(3):
+            out = moe_ops.grouped_mm(a.t(), b, offs)
+            del out
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    mem = [e["args"] for e in events
+           if e.get("name") == "[memory]" and abs(e["args"]["Bytes"]) >= 8 << 20]
+    assert [m["Bytes"] for m in mem] == [10 << 20, -(10 << 20)] * 3, mem
+    start = mem[0]["Total Allocated"] - (10 << 20)
+    assert [m["Total Allocated"] - start for m in mem] == [10 << 20, 0] * 3, mem
+    assert len({m["Total Reserved"] for m in mem}) == 1 and mem[0]["Total Reserved"] >= 10 << 20, mem
+
+
+@needs_cache
+def test_output_cache_hands_out_the_most_recently_freed_block():
+    """Of two free blocks of one size the most recently freed one is taken (its pages the likeliest
+    to be mapped and cached; the older one is the first to idle into MADV_FREE and the first to
+    go past the limit). Outputs [8, 64, 4104] fp32: 10 MiB blocks."""
+    moe_ops.empty_cpu_cache()
+    a, b, offs = torch.randn(16, 64), torch.randn(16, 4104), torch.arange(2, 17, 2)
+    first, second = moe_ops.grouped_mm(a.t(), b, offs), moe_ops.grouped_mm(a.t(), b, offs)
+    newer = second.data_ptr()
+    del first
+    del second  # freed last
+    out = moe_ops.grouped_mm(a.t(), b, offs)
+    assert out.data_ptr() == newer
+    check(out, a.t(), b, offs, None, None)
+    del out
+    moe_ops.empty_cpu_cache()
+
+
+@needs_cache
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_output_cache_in_a_forked_child():
     """A child forked with a block in the cache (as a DataLoader worker is) takes it and returns
@@ -1112,10 +1201,35 @@ def test_output_cache_marks_only_idle_blocks_lazy_free():
     idle = _lazy_free_bytes()
     assert idle - base >= block * 9 // 10, "a block idle for a second was not marked MADV_FREE"
     out = moe_ops.grouped_mm(a.t(), b, offs)  # takes it back and writes it
-    assert idle - _lazy_free_bytes() >= block * 9 // 10, "a block written again still counts as lazily freed"
+    written = _lazy_free_bytes()
+    assert idle - written >= block * 9 // 10, "a block written again still counts as lazily freed"
     check(out, a.t(), b, offs, None, None)
-    del out, other, third
+    # Freed again and idle again, the block is marked again at the next take (its mark of the
+    # first round must not stay behind with it).
+    del out
+    time.sleep(1.2)
+    del other  # a put marks the idle blocks too
+    assert _lazy_free_bytes() - written >= block * 9 // 10, "a block idle again was not marked"
+    del third
     moe_ops.empty_cpu_cache()
+
+
+def test_output_cache_over_its_limit_unmaps_the_oldest_free_block():
+    """Past the limit the oldest free blocks go: with MOE_OPS_CPU_CACHE_MB=20, a 10 MiB block and
+    then a 12 MiB one freed (22 MiB) leave the 12 MiB one cached. In a subprocess (the limit is
+    read once per process); outputs [8, 64, N] fp32."""
+    code = ("import torch, moe_ops, moe_ops._cpu\n"
+            "a, offs = torch.randn(16, 64), torch.arange(2, 17, 2)\n"
+            "x = moe_ops.grouped_mm(a.t(), torch.randn(16, 4104), offs)\n"  # a 10 MiB block
+            "y = moe_ops.grouped_mm(a.t(), torch.randn(16, 6144), offs)\n"  # a 12 MiB block
+            "del x\n"
+            "del y\n"
+            "print(list(torch.ops.moe_cpu.cache_info()))")
+    env = dict(os.environ, MOE_OPS_CPU_CACHE_MB="20")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[-2] == f"[{12 << 20}, {20 << 20}]", res.stdout
 
 
 def test_output_cache_off_with_a_zero_limit():

@@ -155,7 +155,7 @@ class OutputCache final : public c10::Allocator {
     }
     MOE_UNPOISON(b->p, n);
     MOE_POISON(static_cast<char*>(b->p) + n, bytes - n);
-    report(b, true);
+    hand_out(b);
     return {b->p, b, &OutputCache::release, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -232,31 +232,37 @@ class OutputCache final : public c10::Allocator {
 
   static void release(void* ctx);
 
-  // Tells torch.profiler (profile_memory=True) about a block handed out or given back, as c10's
-  // CPU allocator does for its own allocations: "allocated" counts the blocks in use,
-  // "reserved" those and the free ones.
-  void report(const Block* b, bool out) {
-    int64_t used, reserved;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      used_ += out ? (int64_t)b->bytes : -(int64_t)b->bytes;
-      used = used_;
-      reserved = used_ + cached_;
-    }
+  // Tells torch.profiler (profile_memory=True) about a block handed out (out) or given back, as
+  // c10's CPU allocator does for its own allocations: "allocated" counts the blocks in use,
+  // "reserved" those and the free ones, both as they stand after the change (a block given
+  // back stays reserved while the cache keeps it).
+  static void report(const Block* b, bool out, int64_t used, int64_t reserved) {
     if (c10::memoryProfilingEnabled()) {
       c10::reportMemoryUsageToProfiler(b->p, out ? (int64_t)b->bytes : -(int64_t)b->bytes, (size_t)used,
                                        (size_t)reserved, c10::Device(c10::DeviceType::CPU));
     }
   }
 
+  void hand_out(const Block* b) {
+    int64_t used, reserved;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      used_ += (int64_t)b->bytes;
+      used = used_;
+      reserved = used_ + cached_;
+    }
+    report(b, true, used, reserved);
+  }
+
   void put(Block* b) {
-    report(b, false);
     MOE_POISON(b->p, b->bytes);
     b->freed = std::chrono::steady_clock::now();
     std::vector<Block*> out;
+    int64_t used, reserved;
     {
       std::lock_guard<std::mutex> g(mu_);
       advise_idle();
+      used_ -= (int64_t)b->bytes;
       free_.push_back(b);
       cached_ += (int64_t)b->bytes;
       size_t i = 0;
@@ -265,7 +271,10 @@ class OutputCache final : public c10::Allocator {
         out.push_back(free_[i++]);
       }
       free_.erase(free_.begin(), free_.begin() + (int64_t)i);
+      used = used_;
+      reserved = used_ + cached_;
     }
+    report(b, false, used, reserved);  // before drop: b itself may be one of the blocks unmapped
     drop(out);
   }
 
