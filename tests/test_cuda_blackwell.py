@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -135,25 +136,33 @@ def test_an_object_file_that_does_not_load_is_compiled_again(cache, content):
     assert bw.opcode_counts(bw.sass(path)).get("UTCHMMA", 0) > 0  # a real object replaced it
 
 
-def test_a_variant_the_dsl_cannot_build_is_declined_once(cache, monkeypatch):
+@pytest.mark.parametrize("error", [RuntimeError, ModuleNotFoundError, AttributeError])
+def test_a_variant_the_dsl_cannot_build_is_declined_once(cache, monkeypatch, caplog, error):
     """A DSL failure while compiling (an untested nvidia-cutlass-dsl, a missing toolchain piece)
     becomes NotImplementedError, so the CUDA backend's Triton kernel serves the call instead of
     every call failing; the failure is remembered, not retried per call (a compile takes
-    seconds). Variant: fp16 2d3d, tile_n 64, never compiled in this module."""
+    seconds), and logged once as a warning (a silent decline would hide a slow path). Another
+    DSL release fails as an import or attribute error (the kernel uses cutlass.utils.gemm.sm100),
+    not only RuntimeError. Variant: fp16 2d3d, tile_n 64, never compiled in this module."""
     key = bw.KernelKey("sm_100a", "fp16", "fp16", 64, "n", False)
     calls = []
 
     def broken(k):
         calls.append(k)
-        raise RuntimeError("DSL internal error\nsecond line")
+        raise error("DSL internal error\nsecond line")
 
     monkeypatch.setattr(bw, "_compile", broken)
     monkeypatch.setattr(bw, "_unbuildable", {})
     bw._loaded.pop(key, None)
-    for _ in range(2):
-        with pytest.raises(NotImplementedError, match=r"\(RuntimeError: DSL internal error\)$"):
-            bw.kernel_or_decline(key)
+    with caplog.at_level(logging.INFO, logger="moe_ops"):
+        for _ in range(2):
+            why = rf"\({error.__name__}: DSL internal error\)$"
+            with pytest.raises(NotImplementedError, match=why):
+                bw.kernel_or_decline(key)
     assert calls == [key]
+    warned = [r for r in caplog.records
+              if r.levelno == logging.WARNING and key.name in r.getMessage()]
+    assert len(warned) == 1, caplog.records
 
 
 def test_dsl_settings_are_part_of_the_cache_key(monkeypatch):
@@ -176,13 +185,87 @@ def test_dsl_settings_are_part_of_the_cache_key(monkeypatch):
         bw._source_tag.cache_clear()
 
 
+def test_cache_dir_is_moe_ops_cache_dir_or_the_users_cache(monkeypatch, tmp_path):
+    """$MOE_OPS_CACHE_DIR/blackwell when set and not empty, else ~/.cache/moe_ops/blackwell."""
+    monkeypatch.setenv("MOE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+    assert bw.cache_dir() == tmp_path / "cache" / "blackwell"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for unset in (lambda: monkeypatch.delenv("MOE_OPS_CACHE_DIR"),
+                  lambda: monkeypatch.setenv("MOE_OPS_CACHE_DIR", "")):
+        unset()
+        assert bw.cache_dir() == tmp_path / "home" / ".cache" / "moe_ops" / "blackwell"
+
+
+def test_the_cache_key_covers_this_file_and_every_dsl_package(monkeypatch, tmp_path):
+    """An object file compiled from another version of blackwell.py, or by another release of
+    one of the DSL's distributions (nvidia-cutlass-dsl*, the CUDA toolchain among them), must
+    not be loaded: each changes the tag in the object file's name. The other release is a
+    dist-info directory on sys.path; the other source is a copy with one byte more."""
+    bw._source_tag.cache_clear()
+    try:
+        plain = bw._source_tag()
+        edited = tmp_path / "blackwell.py"
+        edited.write_bytes(Path(bw.__file__).read_bytes() + b"\n")
+        with monkeypatch.context() as m:
+            m.setattr(bw, "__file__", str(edited))
+            bw._source_tag.cache_clear()
+            assert bw._source_tag() != plain
+        info = tmp_path / "site" / "nvidia_cutlass_dsl_libs_other-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: nvidia-cutlass-dsl-libs-other\nVersion: 1.0\n")
+        monkeypatch.syspath_prepend(str(tmp_path / "site"))
+        bw._source_tag.cache_clear()
+        assert bw._source_tag() != plain
+    finally:
+        monkeypatch.undo()
+        bw._source_tag.cache_clear()
+
+
+class _Exported:
+    """What ``_compile`` returns, as far as ``_store`` uses it: writes a stand-in object file."""
+
+    def export_to_c(self, directory, name, function_prefix):
+        Path(directory, f"{name}.o").write_bytes(b"object")
+
+
+def test_use_cache_false_compiles_whatever_memory_or_disk_holds(monkeypatch, tmp_path, caplog):
+    """compile_kernel(use_cache=False) compiles and rewrites the object file whatever this
+    process or the disk holds (python -m ...blackwell --all relies on it), without trying to
+    load it. _compile is replaced by a stand-in, so nothing is compiled (and the stand-in's
+    object file would not load: a load attempt logs a warning). Variant: bf16 2d3d, n 128."""
+    _needs_dsl()
+    monkeypatch.setenv("MOE_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(bw, "_loaded", {})
+    compiled = []
+    monkeypatch.setattr(bw, "_compile", lambda key: compiled.append(key) or _Exported())
+    key = bw.KernelKey("sm_100a", "bf16", "bf16", 128, "n", False)
+    assert bw._kernel(key).source == "compiled" and bw._kernel(key).source == "memory"
+    assert bw._kernel(key, use_cache=False).source == "compiled"  # in memory
+    bw._loaded.clear()
+    with caplog.at_level(logging.WARNING, logger="moe_ops"):
+        assert bw._kernel(key, use_cache=False).source == "compiled"  # on disk only
+    assert not [r for r in caplog.records if "cannot load" in r.getMessage()], caplog.records
+    assert compiled == [key] * 3 and bw._kernel(key).object_path.is_file()
+
+
+def test_an_unwritable_cache_costs_only_the_cache(monkeypatch, tmp_path, caplog):
+    """A cache directory that cannot be created (here its parent is a file) is logged, and the
+    compiled kernel is still returned. _compile is replaced by a stand-in."""
+    _needs_dsl()
+    (tmp_path / "file").write_bytes(b"")
+    monkeypatch.setenv("MOE_OPS_CACHE_DIR", str(tmp_path / "file"))
+    monkeypatch.setattr(bw, "_loaded", {})
+    monkeypatch.setattr(bw, "_compile", lambda key: _Exported())
+    key = bw.KernelKey("sm_100a", "bf16", "bf16", 128, "n", False)
+    with caplog.at_level(logging.WARNING, logger="moe_ops"):
+        assert bw._kernel(key).source == "compiled"
+    assert any("cannot write the Blackwell kernel cache" in r.getMessage() for r in caplog.records)
+
+
 def test_storing_a_variant_drops_only_its_own_older_builds(tmp_path):
     """A new object file replaces older builds of its variant, never another variant's (the
     no-bias variant's name is a prefix of the bias variant's)."""
-    class Exported:
-        def export_to_c(self, directory, name, function_prefix):
-            Path(directory, f"{name}.o").write_bytes(b"object")
-
     plain = bw.KernelKey("sm_100a", "bf16", "bf16", 128, "n", False)
     biased = dataclasses.replace(plain, bias=True)
     assert biased.name.startswith(plain.name)
@@ -190,7 +273,7 @@ def test_storing_a_variant_drops_only_its_own_older_builds(tmp_path):
     for path in kept + [tmp_path / f"{plain.name}_{'3' * 12}.o"]:
         path.write_bytes(b"object")
     new = tmp_path / f"{plain.name}_{'4' * 12}.o"
-    bw._store(Exported(), plain, new)
+    bw._store(_Exported(), plain, new)
     assert sorted(tmp_path.glob("*.o")) == sorted(kept + [new])
 
 
@@ -274,14 +357,59 @@ def test_plan_3d3d_is_2d3d_over_stacked_rows():
                                       torch.randn(2, 16, 32, dtype=torch.bfloat16)[:, :, ::2], _offs(8, 16))),
     ("mat_b broadcast", lambda: (torch.randn(16, 16, dtype=torch.bfloat16),
                                  torch.randn(1, 16, 16, dtype=torch.bfloat16).expand(2, 16, 16), _offs(8, 16))),
-    # A row tile's bounds are int32 in the kernel: M within a tile of 2^31 (a broadcast view: no memory).
-    ("M near 2^31", lambda: (torch.zeros(1, 16, dtype=torch.bfloat16).expand(2**31 - 200, 16),
-                             torch.randn(2, 16, 16, dtype=torch.bfloat16), _offs(8, 2**31 - 200))),
 ])
 def test_plan_refuses_what_the_kernel_does_not_serve(why, make):
     a, b, offs = make()
     with pytest.raises(NotImplementedError):
         _plan(a, b, offs)
+
+
+@pytest.mark.parametrize("why, make", [
+    # Strides padded to 16 bytes, so only the size rule can refuse (the unpadded cases above are
+    # refused by the alignment rule first, with or without the size rule).
+    ("N % 8", lambda: (torch.randn(16, 16, dtype=torch.bfloat16),
+                       torch.randn(2, 16, 16, dtype=torch.bfloat16)[:, :, :12])),
+    ("K % 8", lambda: (torch.randn(16, 16, dtype=torch.bfloat16)[:, :12],
+                       torch.randn(2, 16, 16, dtype=torch.bfloat16)[:, :12, :])),
+    ("K == 0", lambda: (torch.randn(16, 8, dtype=torch.bfloat16)[:, :0],
+                        torch.randn(2, 8, 16, dtype=torch.bfloat16)[:, :0, :])),
+])
+def test_plan_refuses_sizes_it_cannot_take_even_with_aligned_strides(why, make):
+    """N or K not a multiple of 8 (the output's [M, N] rows are written in 16-byte vectors) and
+    K == 0 (nothing to load; Triton writes bias or zeros) have rules of their own.
+    a: [16, K], b: [2, K, N] bf16 views whose strides are multiples of 16 bytes."""
+    a, b = make()
+    with pytest.raises(NotImplementedError, match="multiples of 8" if "%" in why else "K == 0"):
+        _plan(a, b, _offs(8, 16))
+
+
+@pytest.mark.parametrize("dim", ["M", "N"])
+def test_plan_refuses_a_dimension_within_a_tile_of_2_31(dim):
+    """The scheduler's tile bounds are int32: M or N above _MAX_DIM is refused, a size below it
+    is served. Meta tensors (no memory; data_ptr() 0 is aligned) with real strides, so no other
+    rule (the broadcast rule refuses an expand()ed operand) can be what refuses it.
+    a: [M, 16], b: [2, 16, N] bf16; the other dimension is 16."""
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    offs = torch.empty(2, dtype=torch.int32, device="meta")
+    for size, refused in ((bw._MAX_DIM + 1, True), (bw._MAX_DIM - 7, False)):  # both % 8 == 0
+        M, N = (size, 16) if dim == "M" else (16, size)
+        a, b = torch.empty(M, 16, **meta), torch.empty(2, 16, N, **meta)
+        if refused:
+            with pytest.raises(NotImplementedError, match="32-bit"):
+                _plan(a, b, offs)
+        else:
+            assert (_plan(a, b, offs).M, _plan(a, b, offs).N) == (M, N)
+
+
+def test_plan_uses_the_devices_arch_and_sm_count():
+    """grouped_mm hands plan the device's arch (sm_100f on a B300, where an sm_100a cubin does
+    not run) and SM count (the tile width depends on it). a: [1024, 64], b: [8, 64, 2048] bf16."""
+    a = torch.randn(1024, 64, dtype=torch.bfloat16)
+    w = torch.randn(8, 64, 2048, dtype=torch.bfloat16)
+    offs = _offs(*range(128, 1025, 128))
+    assert _plan(a, w, offs, arch="sm_100f").key.arch == "sm_100f"
+    assert _plan(a, w, offs).key.tile_n == 128  # 16 x 8 = 128 tiles at 256 < 148 SMs
+    assert _plan(a, w, offs, num_sms=128).key.tile_n == 256
 
 
 def test_grouped_mm_refuses_without_a_blackwell_gpu():
@@ -308,6 +436,17 @@ def test_choose_tile_n():
     assert bw.choose_tile_n(4096, 768, 128, sms) == 256  # Qwen3-30B-A3B: (32 + 128) x 3 tiles
     assert bw.choose_tile_n(1024, 2048, 8, sms) == 128  # 16 x 8 = 128 tiles at 256, 256 at 128
     assert bw.choose_tile_n(512, 1024, 2, sms) == 64  # even 128 gives 6 x 8 = 48 tiles < 148 SMs
+
+
+def test_choose_tile_n_at_its_boundaries():
+    """Each rule of the chooser at its edge: a width only for N > 3/4 of it; exactly one tile
+    per SM is enough; a group's partial row tile counts (ceil(M / 128) + G)."""
+    big = 1 << 20  # enough row tiles for every width
+    assert bw.choose_tile_n(big, 192, 1) == 128 and bw.choose_tile_n(big, 200, 1) == 256
+    assert bw.choose_tile_n(big, 96, 1) == 64 and bw.choose_tile_n(big, 104, 1) == 128
+    # (10 + 2) row tiles x 2 column tiles = 24 tiles at 256
+    assert bw.choose_tile_n(1280, 512, 2, 24) == 256 and bw.choose_tile_n(1280, 512, 2, 25) == 128
+    assert bw.choose_tile_n(129, 256, 1, 3) == 256  # 2 row tiles + 1 for the group
 
 
 @pytest.mark.parametrize("b_major, bias", [("n", False), ("k", True)])

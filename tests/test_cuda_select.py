@@ -102,3 +102,77 @@ def test_a_declined_blackwell_call_without_triton_goes_to_the_reference(monkeypa
     assert select((10, 0), {"cutlass"}, p.dtype, p.layout).kernel == "blackwell"
     with pytest.raises(NotImplementedError, match="cuda:blackwell does not serve this call .* triton is not installed"):
         cuda._run(p, a, w, offs, None)
+
+
+def test_the_blackwell_kernel_gets_offs_sanitized(monkeypatch):
+    """The registered kernel gets unsanitized offs on a GPU (CLAMPS_OFFS: the Triton kernels
+    clamp them as they read them); the Blackwell kernel does not clamp, so _run hands it
+    cummax(clamp(offs, 0, M)). Its grouped_mm is replaced by a recorder that declines.
+    a: [16, 16] bf16, b: [3, 16, 16] bf16, offs [5, 3, 99] (decreasing, past M)."""
+    from moe_ops.backends.cuda import blackwell
+
+    monkeypatch.setattr(cuda, "_capability", lambda device: (10, 0))
+    monkeypatch.setattr(cuda, "_toolchains", frozenset({"cutlass"}))
+    seen = []
+
+    def record(p, mat_a, mat_b, offs, bias):
+        seen.append(offs)
+        raise NotImplementedError("recorded")
+
+    monkeypatch.setattr(blackwell, "grouped_mm", record)
+    a, w = torch.randn(16, 16, dtype=BF16), torch.randn(3, 16, 16, dtype=BF16)
+    offs = torch.tensor([5, 3, 99], dtype=torch.int32)
+    p = _contract.check_args(a, w, offs)
+    with pytest.raises(NotImplementedError, match="recorded"):
+        cuda._run(p, a, w, offs, None)
+    assert [o.tolist() for o in seen] == [[5, 5, 16]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="relies on Triton's launch failing without CUDA")
+def test_a_blackwell_decline_is_logged_once_per_reason(monkeypatch, caplog):
+    """A call the Blackwell kernel declines goes to Triton with one INFO line per distinct
+    reason, not one per call (a training loop would log every step). Here the Triton launch
+    after the decline fails (no CUDA), which does not matter: the line comes before it.
+    a: [16, 16] bf16, b: [2, 16, 16] bf16."""
+    import logging
+
+    from moe_ops.backends.cuda import blackwell
+
+    monkeypatch.setattr(cuda, "_capability", lambda device: (10, 0))
+    monkeypatch.setattr(cuda, "_toolchains", frozenset({"triton", "cutlass"}))
+    monkeypatch.setattr(cuda, "_declined", set())
+    reasons = iter(["first reason", "first reason", "first reason", "second reason"])
+
+    def decline(*args):
+        raise NotImplementedError(next(reasons))
+
+    monkeypatch.setattr(blackwell, "grouped_mm", decline)
+    a, w = torch.randn(16, 16, dtype=BF16), torch.randn(2, 16, 16, dtype=BF16)
+    offs = torch.tensor([8, 16], dtype=torch.int32)
+    p = _contract.check_args(a, w, offs)
+    with caplog.at_level(logging.INFO, logger="moe_ops"):
+        for _ in range(4):
+            with pytest.raises((AssertionError, RuntimeError)):  # torch without CUDA / no driver
+                cuda._run(p, a, w, offs, None)
+    lines = [r.getMessage() for r in caplog.records
+             if "cuda:blackwell does not serve" in r.getMessage()]
+    assert len(lines) == 2 and "first reason" in lines[0] and "second reason" in lines[1], lines
+
+
+def test_without_triton_run_here_and_status_say_what_to_install(monkeypatch):
+    """Without triton, run_here raises BackendUnavailable (the property suite then skips the
+    backend) and status names the install command, whatever _run's cached toolchains say.
+    find_spec (stdlib) reports triton missing; a: [16, 16] bf16, b: [2, 16, 16] bf16."""
+    from importlib import util
+
+    from moe_ops.backends import BackendUnavailable
+
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    a, w = torch.randn(16, 16, dtype=BF16), torch.randn(2, 16, 16, dtype=BF16)
+    offs = torch.tensor([8, 16], dtype=torch.int32)
+    with pytest.raises(BackendUnavailable, match="pip install triton"):
+        cuda.run_here(_contract.check_args(a, w, offs), a, w, offs, None)
+    assert cuda.status().mode is None and "pip install triton" in cuda.status().detail
