@@ -59,7 +59,17 @@ def problems(dtype):
         G, M = offs.numel(), 333  # offs[-1] = 330: three trailing rows
         yield "2d3d [G, K, N]", r(M, K), r(G, K, N), offs, r(G, N)
         yield "2d3d [G, N, K]^T", r(M, K), r(G, N, K).transpose(1, 2), offs, r(G, N)
+        # The last group up to A's last row (35 rows: vectors of 2 rows in the 256-bit swapped
+        # scheme, of 4 in the 512-bit one; K % 8 == 5 at K = 37): the swapped schemes pack A by
+        # 2 or 4 rows x 8 k, masked at the item's last row and at K.
+        yield "2d3d [G, N, K]^T, the last group to its end", r(M, K), r(4, N, K).transpose(1, 2), \
+            torch.tensor([3, 9, M - 35, M], dtype=torch.int32), None
         yield "2d2d x^T", r(M, K).t(), r(M, N), offs, None
+        # The last group up to A's last column: x^T's column-major packings (fma_pack_a,
+        # pack_a_kmajor, pair_pack_a) read each k's rows with a mask of the item's rows; one
+        # unmasked vector reads up to 15 elements past the last column here, not above.
+        to_end = torch.tensor([3, 9, M], dtype=torch.int32)
+        yield "2d2d x^T, the last group to its end", r(M, K).t(), r(M, N), to_end, None
         yield "2d2d [K, M]", r(K, M), r(M, N), offs, None
         yield "3d3d", r(G, 5, K), r(G, K, N), None, r(G, N)
         yield "3d2d", r(G, 5, K), r(K, N + 30), torch.tensor([0, 2, 2, 9, 20, N + 29], dtype=torch.int32), None

@@ -275,6 +275,47 @@ def test_bf16_results_are_rounded_once_to_nearest_even(isa):
                                   f"{out[tuple(bad[0])].item()!r} vs {want[tuple(bad[0])].item()!r}")
 
 
+@pytest.mark.parametrize("isa", machine_levels(("generic", "avx2", "avx512")))
+def test_fp16_results_are_rounded_once_to_nearest_even(isa):
+    """fp16 out[i, j] = hi_i + lo_i for mat_a [300, 2] fp16 (hi, lo) and all-ones weights: exact
+    in the fp32 accumulator (lo is within one fp16 unit of hi), then one rounding to fp16 that
+    must equal torch's bit for bit (nearest even, overflow to inf, subnormal results). The
+    shared tolerance (2 units) passes a conversion that truncates; this does not. 40 columns (a
+    full and a partial vector), groups of 3 and 297 rows (dot products and the blocked kernel),
+    both weight orientations and the weight gradient."""
+    gen = torch.Generator().manual_seed(7)
+    rows = 300
+    scale = 2.0 ** torch.randint(-4, 8, (rows,), generator=gen)
+    hi = (torch.randn(rows, generator=gen) * scale).half()
+    frac = torch.randint(-15, 16, (rows,), generator=gen).float() / 16
+    lo = (hi.float() * 2.0 ** -11 * frac).half()  # within one fp16 unit of hi, ties included
+    specials = torch.tensor([[65504.0, 16.0], [1.0, 2.0 ** -11], [1.0 + 2.0 ** -10, 2.0 ** -11],
+                             [1.0 + 2.0 ** -10, 2.0 ** -12], [2.0 ** -20, 3 * 2.0 ** -26]])
+    hi[: len(specials)], lo[: len(specials)] = specials[:, 0].half(), specials[:, 1].half()
+    exact = hi.float() + lo.float()
+    assert exact[0].half().item() == float("inf")  # 65504 + half a unit: to even, overflow
+    assert exact[4].half().item() == 2.0 ** -20 + 2.0 ** -24  # a subnormal result
+    a = torch.stack([hi, lo], dim=1)  # [300, 2]
+    ones = torch.ones(2, 2, 40, dtype=torch.float16)
+    offs = torch.tensor([3, 300], dtype=torch.int32)
+    want = exact.half()[:, None].expand(rows, 40)
+    k_contiguous = ones.transpose(1, 2).contiguous().transpose(1, 2)
+    x_t = a.t().contiguous().t()  # [300, 2] column-major, as x^T in the weight gradient
+    dy = torch.ones(2, 40, dtype=torch.float16)
+    results = {
+        "weights [G, K, N]": run((a, ones, offs, None, None), isa),
+        "weights [G, N, K] transposed": run((a, k_contiguous, offs, None, None), isa),
+        "weight gradient": run((x_t, dy, torch.tensor([2, 2]), None, None), isa)[0],
+    }
+    for what, out in results.items():
+        assert out.dtype == torch.float16
+        bad = (out.view(torch.int16) != want.view(torch.int16)).nonzero()
+        if bad.numel():
+            at = tuple(bad[0].tolist())
+            raise AssertionError(f"{isa} {what}: {len(bad)} roundings differ, first at {at}: "
+                                 f"{out[at].item()!r} vs {want[at].item()!r}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("isa", machine_levels())
 def test_bias_of_any_stride(isa, dtype):
@@ -931,6 +972,42 @@ def test_operands_at_page_ends_and_starts_are_never_read_past():
     lines = r.stdout.splitlines()
     for level in levels:
         assert any(line.startswith(f"{level}: ") and line.endswith("all match") for line in lines), r.stdout
+
+
+_STAGED_AT_PAGE_END = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import moe_ops._cpu  # noqa: F401
+from guard_pages import guarded
+from moe_ops.testing import assert_close, reference_results
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+K, sizes = 2045, [31, 32, 45, 5, 64, 100]
+w = torch.randn(len(sizes), 40, 2048, generator=g).bfloat16()[:, :, :K].transpose(1, 2)
+offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+a = torch.randn(int(offs[-1]) + 3, K, generator=g).bfloat16()
+for scheme in (1, 2):
+    gw = guarded(w, True)
+    out = torch.ops.moe_cpu.grouped_mm("2d3d", a, gw, offs, None, torch.bfloat16, 3, scheme)
+    assert_close(out, *reference_results(a, w, offs, None, None), what=f"scheme {scheme}")
+print("all match")
+"""
+
+
+@pytest.mark.skipif(not has_level("avx512_bf16"), reason="the swapped schemes need AVX512-BF16")
+def test_swapped_scheme_staging_never_reads_past_the_last_row_of_w():
+    """mat_a [280, 2045] bf16, mat_b a [6, 2045, 40] view of [6, 40, 2048] bf16 (rows of W 4 KiB
+    apart: staged) whose storage ends at the last row's k = K - 1, right before an unreadable page
+    (tests/guard_pages.py; in a subprocess, a read past it is a SIGSEGV), on one thread (with two,
+    the items that read W's last row were not staged here). Both swapped schemes copy the last
+    k block's ragged tail (K % 8 == 5) with a mask; the guard-page test's staged weights have
+    K = 4096 (no tail), and the staging test's rows have padding past K to read into."""
+    path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])  # this tree's build
+    r = subprocess.run([sys.executable, "-c", _STAGED_AT_PAGE_END, os.path.join(REPO, "tests")],
+                       capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=path))
+    ok = r.returncode == 0 and r.stdout.strip() == "all match"
+    assert ok, f"exit status {r.returncode}\n{r.stdout}\n{r.stderr}"
 
 
 @pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
