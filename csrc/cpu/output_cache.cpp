@@ -232,14 +232,15 @@ class OutputCache final : public c10::Allocator {
 
   static void release(void* ctx);
 
-  // Tells torch.profiler (profile_memory=True) about a block handed out (out) or given back, as
-  // c10's CPU allocator does for its own allocations: "allocated" counts the blocks in use,
-  // "reserved" those and the free ones, both as they stand after the change (a block given
-  // back stays reserved while the cache keeps it).
-  static void report(const Block* b, bool out, int64_t used, int64_t reserved) {
+  // Tells torch.profiler (profile_memory=True) about a block handed out (bytes > 0) or given
+  // back, as c10's CPU allocator does for its own allocations: "allocated" counts the blocks in
+  // use, "reserved" those and the free ones, both as they stand after the change (a block given
+  // back stays reserved while the cache keeps it). It takes the block's address and size, not
+  // the block: once put() has unlocked, another thread's take(), empty() or eviction may hand
+  // the block out again or delete it.
+  static void report(void* p, int64_t bytes, int64_t used, int64_t reserved) {
     if (c10::memoryProfilingEnabled()) {
-      c10::reportMemoryUsageToProfiler(b->p, out ? (int64_t)b->bytes : -(int64_t)b->bytes, (size_t)used,
-                                       (size_t)reserved, c10::Device(c10::DeviceType::CPU));
+      c10::reportMemoryUsageToProfiler(p, bytes, (size_t)used, (size_t)reserved, c10::Device(c10::DeviceType::CPU));
     }
   }
 
@@ -251,20 +252,22 @@ class OutputCache final : public c10::Allocator {
       used = used_;
       reserved = used_ + cached_;
     }
-    report(b, true, used, reserved);
+    report(b->p, (int64_t)b->bytes, used, reserved);
   }
 
   void put(Block* b) {
-    MOE_POISON(b->p, b->bytes);
+    void* const p = b->p;
+    const int64_t bytes = (int64_t)b->bytes;
+    MOE_POISON(p, bytes);
     b->freed = std::chrono::steady_clock::now();
     std::vector<Block*> out;
     int64_t used, reserved;
     {
       std::lock_guard<std::mutex> g(mu_);
       advise_idle();
-      used_ -= (int64_t)b->bytes;
+      used_ -= bytes;
       free_.push_back(b);
-      cached_ += (int64_t)b->bytes;
+      cached_ += bytes;
       size_t i = 0;
       while (cached_ > limit && i < free_.size()) {
         cached_ -= (int64_t)free_[i]->bytes;
@@ -274,7 +277,7 @@ class OutputCache final : public c10::Allocator {
       used = used_;
       reserved = used_ + cached_;
     }
-    report(b, false, used, reserved);  // before drop: b itself may be one of the blocks unmapped
+    report(p, -bytes, used, reserved);
     drop(out);
   }
 
