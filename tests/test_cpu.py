@@ -958,6 +958,15 @@ def test_amx_groups_larger_than_l2_with_k_zero_give_the_bias(layout):
             assert torch.equal(out[890:], torch.zeros_like(out[890:])), f"{layout} {out_dtype} trailing rows"
 
 
+def _run_this_tree(args, timeout):
+    """``python *args`` in a child process from the repository root that imports this tree's
+    build (REPO first on PYTHONPATH), output captured: for guard pages, where a stray read is a
+    SIGSEGV that must not take the test process with it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=env)
+
+
 def test_operands_at_page_ends_and_starts_are_never_read_past():
     """Every level this machine has, on operands that end right before an unreadable page or
     start right after one (tests/guard_pages.py, in a subprocess: a read past either end is a
@@ -965,9 +974,7 @@ def test_operands_at_page_ends_and_starts_are_never_read_past():
     vector loads are what keep the kernels inside their operands at every edge; one lane too
     many in a pack (a mask of cols + 1) passes every other test here and fails this one."""
     levels = [f"{ISA[LEVELS[n][0]]}:{LEVELS[n][1]}" for n in LEVELS if has_level(n)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))  # this tree's build
-    r = subprocess.run([sys.executable, os.path.join(REPO, "tests", "guard_pages.py"), *levels],
-                       capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    r = _run_this_tree([os.path.join(REPO, "tests", "guard_pages.py"), *levels], timeout=600)
     assert r.returncode == 0, f"exit status {r.returncode}\n{r.stdout}\n{r.stderr}"
     lines = r.stdout.splitlines()
     for level in levels:
@@ -1003,10 +1010,7 @@ def test_swapped_scheme_staging_never_reads_past_the_last_row_of_w():
     K = 4096 (no tail), and the staging test's rows have padding past K to read into."""
     if not has_level("avx512_bf16"):  # asked here: collection must not need the module
         pytest.skip(f"the swapped schemes need avx512_bf16 (best: {torch.ops.moe_cpu.machine()})")
-    path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])  # this tree's build
-    r = subprocess.run([sys.executable, "-c", _STAGED_AT_PAGE_END, os.path.join(REPO, "tests")],
-                       capture_output=True, text=True, timeout=120, cwd=REPO,
-                       env=dict(os.environ, PYTHONPATH=path))
+    r = _run_this_tree(["-c", _STAGED_AT_PAGE_END, os.path.join(REPO, "tests")], timeout=120)
     ok = r.returncode == 0 and r.stdout.strip() == "all match"
     assert ok, f"exit status {r.returncode}\n{r.stdout}\n{r.stderr}"
 
