@@ -6,7 +6,8 @@ Categories:
   eager and compiled;
 * every instruction-set level this machine has (ATen fallback, AVX-512, AVX512-BF16, AMX)
   against the float64 oracle, since the property suite only runs the best one;
-* the work split: many tiny and empty groups, results bitwise identical for any thread count;
+* the work split: many tiny and empty groups, results bitwise identical for any thread count,
+  a 2Dx3D row's bits independent of its place in its group and of the other rows and groups;
   groups of up to four rows (decode) through dot products along k or streamed rows of W;
 * memory: uninitialised outputs and reused scratch never leak into results (NaN poisoning),
   element offsets past 2**31 are computed in 64 bits, and no level reads past an operand that
@@ -403,6 +404,36 @@ def test_groups_cut_into_items_bitwise_identical_for_any_thread_count(isa, dtype
         layout = _contract.layout_of(a, b)
         assert torch.ops.moe_cpu.mm_groups(layout, a, b, offs, None, dtype, ISA[LEVELS[isa][0]]) == [], layout
         check(run_any_threads((a, b, offs, None, None), isa), a, b, offs, None, None, what=f"{isa} {layout} {ends}")
+
+
+@pytest.mark.parametrize("isa", machine_levels(OWN_LEVELS))
+def test_a_rows_result_depends_only_on_its_groups_size(isa):
+    """2Dx3D at our own levels: a row's result, bit for bit, does not depend on where it sits in
+    its group, on the values of the group's other rows, or on the other groups: the rows of each
+    group (and those past offs[-1]) permuted within it give the permuted result, and one group
+    called alone (its rows, expert and bias as views, so the same strides) gives its rows of the
+    whole call. Only the group's row count may change a row's bits (it picks the kernel: README,
+    "Reproducibility"). Groups up to 150 rows and K up to 300 reach the 64-row cut of the swapped
+    schemes and the kernels' k blocks."""
+    @settings(max_examples=30)
+    @given(case=cases(layouts=("2d3d",), max_m=150, max_k=300, max_n=80, allow_big_g=False))
+    def run_case(case):
+        a, b, offs, bias, out_dtype = build(case)
+        out = run((a, b, offs, bias, out_dtype), isa)
+        ends = [0, *case.offs, case.M]
+        gen = torch.Generator().manual_seed(case.seed)
+        perm = torch.cat([lo + torch.randperm(hi - lo, generator=gen) for lo, hi in zip(ends, ends[1:])])
+        if case.stride_a != "broadcast":  # (a broadcast mat_a's rows are all one row)
+            shuffled = build(case)[0]  # the same strides as mat_a
+            shuffled.copy_(a[perm])
+            assert torch.equal(run((shuffled, b, offs, bias, out_dtype), isa), out[perm]), f"{isa} {case}"
+        for g, (lo, hi) in enumerate(zip(ends, ends[1:-1])):
+            if hi > lo:
+                alone = (a[lo:hi], b[g:g + 1], offs.new_tensor([hi - lo]), None if bias is None else bias[g:g + 1],
+                         out_dtype)
+                assert torch.equal(run(alone, isa), out[lo:hi]), f"{isa} group {g} alone, {case}"
+
+    run_case()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
