@@ -1546,6 +1546,37 @@ def test_a_failed_rebuild_removes_the_modules_an_earlier_build_left(tmp_path):
 
 
 @pytest.mark.outside_cpp
+def test_the_sdist_holds_every_file_the_cpp_modules_include(tmp_path):
+    """A source distribution builds the C++ modules: every file a source in it includes with
+    #include "..." is in it too. (setuptools adds the extensions' .cpp files by itself, not their
+    headers; from such an sdist the build failed and pip went on with the reference, the modules
+    being optional.) The sdist is made from a copy of the tree, so nothing is written here."""
+    import shutil
+    import tarfile
+
+    tree = tmp_path / "tree"
+    skip = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", "*.so",
+                                  ".hypothesis", ".pytest_cache", "bench-out")
+    shutil.copytree(REPO, tree, ignore=skip)
+    r = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path / "dist")],
+                       capture_output=True, text=True, timeout=300, cwd=tree)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (archive,) = (tmp_path / "dist").iterdir()
+    with tarfile.open(archive) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+        sources = {name: tar.extractfile(f"{archive.name[:-len('.tar.gz')]}/{name}").read().decode()
+                   for name in names if name.startswith("csrc/") and name.endswith((".cpp", ".h"))}
+    assert {"csrc/cpu/grouped_mm.cpp", "csrc/autograd/grouped_mm_autograd.cpp"} <= set(sources), sorted(names)
+    missing = []
+    for name, text in sources.items():
+        for included in re.findall(r'^#include "([^"]+)"', text, flags=re.M):
+            path = os.path.normpath(os.path.join(os.path.dirname(name), included))
+            if path not in names:
+                missing.append(f"{name} includes {included}")
+    assert not missing, missing
+
+
+@pytest.mark.outside_cpp
 def test_the_suite_collects_without_the_compiled_module():
     # Found on an H200 machine, where the extension is not built: parametrize arguments computed
     # at import time asked the missing extension and the whole run stopped at collection.
