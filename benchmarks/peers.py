@@ -104,7 +104,8 @@ def _jax(t, device):
     backend = jax.default_backend()
     if device.type == "cpu" and backend == "cpu":
         # XLA:CPU's ragged_dot: jax's own grouped matmul on this CPU (its own thread pool).
-        dt = jnp.bfloat16 if t.a.dtype == torch.bfloat16 else jnp.float32
+        # The case's 16-bit dtype kept (fp16 once ran as float32 beside the fp16 peers).
+        dt = {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}.get(t.a.dtype, jnp.float32)
         a = jnp.asarray(t.a.float().numpy()).astype(dt)
         b = jnp.asarray(t.b.float().contiguous().numpy()).astype(dt)
         sizes = jnp.asarray(torch.diff(t.offs.to(torch.int64), prepend=t.offs.new_zeros(1).long()).numpy().astype("int32"))

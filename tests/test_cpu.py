@@ -1808,6 +1808,264 @@ def test_benchmark_memory_floor():
     assert 0 < bench.memory_bandwidth(64 << 20, write=False, cold=True) < 1e4
 
 
+@pytest.mark.outside_cpp
+def test_benchmark_summary_is_the_median_and_flops_are_2mkn(monkeypatch):
+    """bench.summarize: the published time is the median of the rounds (not their mean or best),
+    p25 <= median <= p75, and GFLOP/s is 2*M*K*N over the median, the same count for every mode
+    (fwd, dgrad, wgrad all multiply M x K by K x N, or K x M by M x N). Seconds made up."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import bench
+    from cases import Shape, flops
+
+    shape = Shape("t", 2, 64, 32, 16, "test")
+    assert flops(shape) == 2 * 64 * 32 * 16
+    s = bench.summarize([0.004, 0.001, 0.002, 0.010, 0.003], flops(shape))
+    assert (s["median_ms"], s["min_ms"], s["max_ms"], s["rounds"]) == (3.0, 1.0, 10.0, 5)
+    assert s["p25_ms"] < s["median_ms"] < s["p75_ms"]
+    assert s["gflops"] == pytest.approx(2 * 64 * 32 * 16 / 0.003 / 1e9)
+
+
+@pytest.mark.outside_cpp
+def test_benchmark_group_sizes_are_dirichlet_and_fresh_per_peer_and_call(monkeypatch):
+    """cases.dirichlet_offs: [G] int32 ends of a split of all M rows, uneven as Dirichlet(1) is
+    (each expert's share is Beta(1, G-1): about 22% of the experts get under a quarter of the
+    mean; an even split or a concentrated Dirichlet(10) gives none). bench._fresh_offs: before
+    every call each peer gets a draw of its own (one per (peer, call)), written into the offs
+    that the peers read. G=256, M=4096; fp32 fwd tensors of G=4, M=64, K=8, N=8."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import bench
+    from cases import Shape, dirichlet_offs, make_tensors
+
+    offs = dirichlet_offs(256, 4096, seed=0)
+    assert offs.dtype == torch.int32 and offs.shape == (256,) and int(offs[-1]) == 4096
+    sizes = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    assert int(sizes.min()) >= 0
+    assert 0.1 < float((sizes < 4096 / 256 / 4).double().mean()) < 0.35
+    assert not torch.equal(offs, dirichlet_offs(256, 4096, seed=1))
+
+    shape = Shape("t", 4, 64, 8, 8, "test")
+    t = make_tensors(shape, "fwd", torch.float32, "cpu")
+    before = bench._fresh_offs(t, shape, ["p", "q"])
+    seen = []
+    for peer, call in (("p", 0), ("p", 1), ("q", 0), ("q", 1)):
+        before(peer, call)
+        assert int(t.offs[-1]) == 64 and t.offs.dtype == torch.int32
+        seen.append(tuple(t.offs.tolist()))
+    assert len(set(seen)) == 4, seen
+
+
+@pytest.mark.outside_cpp
+def test_benchmark_rounds_interleave_the_peers(monkeypatch):
+    """bench.run_case: one untimed-order warm-up call per peer, then every round calls every
+    peer once in an order of its own (seeded), with before(peer, call) run just before each
+    call (call 0: the warm-up); each peer gets one time per round, the warm-up not among them.
+    Peers that do nothing, so none is slow."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import bench
+
+    log = []
+    # No dense roofline among them: then no peer counts as slow (3 rounds only), whatever the load.
+    fns = {n: (lambda n=n: log.append(("call", n))) for n in ("o", "p", "q", "r")}
+    times = bench.run_case(fns, lambda: None, 0.0, 6, 6, before=lambda n, c: log.append((n, c)))
+    assert {n: len(s) for n, s in times.items()} == dict.fromkeys(fns, 6)
+    assert len(log) == 2 * 4 * 7
+    befores, calls = log[0::2], log[1::2]
+    assert all(c == ("call", n) for (n, _), c in zip(befores, calls))
+    for n in fns:  # calls 0 (warm-up) to 6, in order
+        assert [c for m, c in befores if m == n] == list(range(7))
+    orders = {tuple(n for n, _ in befores[4 * i:4 * i + 4]) for i in range(1, 7)}
+    assert len(orders) > 1, orders
+
+
+@pytest.mark.outside_cpp
+@pytest.mark.parametrize("mode", ["fwd", "dgrad", "wgrad"])
+def test_benchmark_peers_compute_the_case_and_the_roofline_has_its_shape(monkeypatch, mode):
+    """Every peer of cases/peers computes the case's result (checked with bench._check against
+    moe_ops' reference), the weights have the mode's layout (fwd: k-contiguous [G, K, N] views
+    of [G, N, K]; dgrad: n-contiguous), and the dense roofline is one matmul of the same M, K, N
+    whose right operand has one expert's layout; the fp32 roofline of a bf16 case runs in fp32.
+    G=4, M=64, K=24, N=40, fp32 and bf16 (padded by the Dirichlet draw: some groups empty)."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import bench
+    from cases import Shape, make_tensors
+    from peers import DENSE, DENSE_FP32, JAX, REFERENCE, ROOFLINES, peers
+
+    G, M, K, N = 4, 64, 24, 40
+    for dtype in (torch.float32, torch.bfloat16):
+        t = make_tensors(Shape("t", G, M, K, N, "test"), mode, dtype, "cpu")
+        if mode == "wgrad":
+            assert t.a.shape == (M, K) and t.b.shape == t.dense_b.shape == (M, N)
+        else:
+            assert t.b.shape == (G, K, N) and t.dense_b.shape == (K, N)
+            assert t.b.stride(1 if mode == "fwd" else 2) == 1
+            assert t.dense_b.stride() == t.b[0].stride()
+        ps = peers(t, torch.device("cpu"))
+        ref = ps[REFERENCE][0]()
+        for name, (fn, note) in ps.items():
+            if name in ROOFLINES or name == JAX:
+                continue
+            assert bench._check(fn(), ref, dtype) == "", name
+        dense = ps[DENSE][0]()
+        assert dense.dtype == dtype and dense.shape == ((K, N) if mode == "wgrad" else (M, N))
+        if dtype == torch.bfloat16:
+            assert ps[DENSE_FP32][0]().dtype == torch.float32
+
+
+@pytest.mark.outside_cpp
+def test_benchmark_check_refuses_wrong_results(monkeypatch):
+    """bench._check: a shape mismatch, NaN, and an error of 1% (fp32) or 5% (bf16) of the largest
+    output are all refused; a result within the tolerance passes. [8, 16] fp32 made up."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import bench
+    ref = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    assert bench._check(ref * (1 + 1e-6), ref, torch.float32) == ""
+    assert bench._check(ref.bfloat16(), ref, torch.bfloat16) == ""
+    assert bench._check(ref * 1.01, ref, torch.float32).startswith("MISMATCH")
+    assert bench._check(ref * 1.05, ref, torch.bfloat16).startswith("MISMATCH")
+    assert bench._check(ref[:4], ref, torch.float32).startswith("MISMATCH: shape")
+    nan = ref.clone()
+    nan[3, 3] = float("nan")
+    assert bench._check(nan, ref, torch.float32).startswith("MISMATCH")
+
+
+@pytest.mark.outside_cpp
+def test_benchmark_case_rows_publish_ratios_to_the_dense_median(monkeypatch):
+    """bench.bench_device on two tiny shapes (G=4 and G=8, M=64, K=32, N=48; fp32 and bf16; fwd
+    and wgrad; fresh group sizes): a peer whose result is wrong (twice the right one, or NaN)
+    is not timed and says MISMATCH; every timed peer's ratio is its median over the bf16 (the
+    case's own dtype) dense median, GFLOP/s is 2*M*K*N over its median, every CPU peer of the
+    suite is timed, and --threads is applied. No timing assertions."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import argparse
+
+    import bench
+    import peers as peers_mod
+    from cases import Shape
+
+    real = bench.peers
+
+    def with_wrong_ones(t, device, with_jax=False):
+        out = real(t, device, with_jax)
+        ref = out[peers_mod.REFERENCE][0]
+        out["twice"] = (lambda: 2 * ref(), "")
+        out["nan"] = (lambda: ref() * float("nan"), "")
+        return out
+
+    monkeypatch.setattr(bench, "peers", with_wrong_ones)
+    threads = torch.get_num_threads()
+    try:
+        (dev, ok, _), = bench.pick(["cpu"], 1)
+        assert ok and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    args = argparse.Namespace(budget=0.0, min_reps=2, max_reps=2, group_sizes="fresh",
+                              max_call_s=60.0, huge_page_weights=False, with_jax=False)
+    shapes = [Shape("a", 4, 64, 32, 48, "test"), Shape("b", 8, 64, 32, 48, "test")]
+    rows = bench.bench_device(dev, shapes, ["fwd", "wgrad"], ["fp32", "bf16"], args)
+    assert len(rows) == 8
+    for row in rows:
+        ps = row["peers"]
+        assert ps["twice"]["note"].startswith("MISMATCH") and "median_ms" not in ps["twice"]
+        assert ps["nan"]["note"].startswith("MISMATCH") and "median_ms" not in ps["nan"]
+        for name in (bench.OP, bench.REFERENCE, peers_mod.LOOP, peers_mod.PADDED):
+            assert "median_ms" in ps[name], (name, ps[name])
+        assert ps[bench.OP]["kernel"].startswith("cpu:")
+        dense = ps[bench.DENSE]["median_ms"]
+        assert ps[bench.DENSE]["ratio"] == 1.0
+        assert (bench.DENSE_FP32 in ps) == (row["dtype"] == "bf16")
+        fl = 2 * row["M"] * row["K"] * row["N"]
+        for name, p in ps.items():
+            if "median_ms" in p:
+                assert p["ratio"] == pytest.approx(p["median_ms"] / dense), name
+                assert p["gflops"] == pytest.approx(fl / p["median_ms"] / 1e6), name
+
+
+@pytest.mark.outside_cpp
+def test_benchmark_targets_at_the_boundaries(monkeypatch):
+    """bench.targets on made-up rows (medians in ms, dense 1 ms): a ratio equal to the target
+    meets it; the weight gradient is held to WGRAD_TARGET whatever G; a tie with
+    torch._grouped_mm is not slower; and a case in which moe_ops was not timed (its result
+    failed the check) is a MISSED target and counts against "never slower" instead of
+    vanishing from both."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import bench
+
+    def row(shape, G, mode, ours, gmm):
+        op = ({"note": "MISMATCH: max error 1.00e+00 of the largest output"} if ours is None else
+              {"median_ms": ours, "ratio": ours, "p25_ms": ours, "p75_ms": ours})
+        peers = {bench.DENSE: {"median_ms": 1.0}, bench.OP: op,
+                 bench.GROUPED_MM: {"median_ms": gmm, "ratio": gmm}}
+        return dict(source="issue #6", shape=shape, G=G, mode=mode, dtype="bf16", peers=peers)
+
+    lines = bench.targets([row("G64", 64, "fwd", bench.TARGETS[64], bench.TARGETS[64]),
+                           row("G8", 8, "wgrad", 1.2, 2.0),
+                           row("G256", 256, "fwd", None, 2.0)]).splitlines()
+    assert lines[0].startswith("G64") and lines[0].endswith("target <= 1.30: met; "
+                                                           "torch._grouped_mm x1.30 (faster)")
+    assert lines[1].startswith("G8") and "target <= 1.30: met" in lines[1]
+    assert lines[2].startswith("G256") and "MISSED" in lines[2] and "MISMATCH" in lines[2]
+    assert lines[3].startswith("never slower than torch._grouped_mm: 2 of 3 cases")
+    assert "G256 fwd bf16" in lines[3]
+
+
+@pytest.mark.outside_cpp
+def test_benchmark_report_table_and_json(monkeypatch, tmp_path):
+    """report.table: the dense roofline's cell is its median and GFLOP/s, every other peer's its
+    ratio and median (plain and markdown); report.write_json keeps every row. One made-up row."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import report
+    from peers import DENSE, GROUPED_MM, OP
+
+    row = dict(shape="s", mode="fwd", dtype="bf16",
+               peers={DENSE: {"median_ms": 2.0, "gflops": 50.0, "ratio": 1.0},
+                      OP: {"median_ms": 3.0, "ratio": 1.5},
+                      GROUPED_MM: {"note": "not here"}})
+    for md in (False, True):
+        text = report.table([row, {**row, "shape": "t"}], markdown=md)
+        assert "2.00 ms (50 GFLOP/s)" in text and "x1.50 (3.00 ms)" in text
+        assert GROUPED_MM not in text
+    report.write_json(str(tmp_path / "r.json"), {"k": 1}, [row, {**row, "shape": "t"}])
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["meta"] == {"k": 1} and [r["shape"] for r in data["results"]] == ["s", "t"]
+
+
+@pytest.mark.outside_cpp
+def test_benchmark_model_shapes_fit_the_budget(monkeypatch):
+    """cases.model_shapes: M is tokens x top-k; hidden and ffn are divided by the smallest power
+    of two that fits the G bf16 expert matrices into the budget (here 8 MiB, 64 tokens)."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    from cases import MODELS, model_shapes
+    shapes = model_shapes(64, 8 << 20)
+    assert len(shapes) == len(MODELS)
+    for s, (name, G, top_k, hidden, ffn) in zip(shapes, MODELS):
+        div = int(s.name.split(" /")[1]) if " /" in s.name else 1
+        assert s.name.startswith(name) and div & (div - 1) == 0
+        assert (s.G, s.M, s.K, s.N) == (G, 64 * top_k, hidden // div, ffn // div)
+        assert G * s.K * s.N * 2 <= 8 << 20
+        assert div == 1 or G * (hidden // (div // 2)) * (ffn // (div // 2)) * 2 > 8 << 20
+
+
+@pytest.mark.outside_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_benchmark_jax_peer_computes_in_the_case_dtype(monkeypatch, dtype):
+    """The --with-jax peer (jax.lax.ragged_dot on XLA:CPU) of a 16-bit case computes in that
+    dtype: its result passes the check and is representable in it (an fp16 case once ran in
+    float32, timed beside the fp16 peers). fwd, G=4, M=64, K=32, N=48."""
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "cpu":
+        pytest.skip(f"jax's backend here is {jax.default_backend()}, not cpu")
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import bench
+    from cases import Shape, make_tensors
+    from peers import JAX, REFERENCE, peers
+
+    t = make_tensors(Shape("t", 4, 64, 32, 48, "test"), "fwd", dtype, "cpu")
+    ps = peers(t, torch.device("cpu"), with_jax=True)
+    out = ps[JAX][0]()
+    assert bench._check(out, ps[REFERENCE][0](), dtype) == ""
+    assert torch.equal(out.to(dtype).float(), out)
+
+
 def _resident_mib() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
