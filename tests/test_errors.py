@@ -184,9 +184,11 @@ def _re(fragment: str) -> str:
 @st.composite
 def _torch_accepted_cases(draw):
     """Cases torch._grouped_mm's CPU path accepts: its dtypes (float32, bfloat16, float16),
-    int32 offs, no bias, out_dtype None or the inputs' dtype (the only one it admits), unit-stride
-    rows or columns 16 bytes apart (sizes of 8s), G >= 1, offs ending at or below the extent
-    (empty groups included)."""
+    int32 offs (also as a strided view), no bias, out_dtype None or the inputs' dtype (the only
+    one it admits), unit-stride rows or columns 16 bytes apart or more (sizes of 8s; with
+    ``pad_a`` / ``pad_b`` the rows of the operand's storage 8 elements longer), a 3-D operand
+    expanded from one group (stride 0, ``expand_a`` / ``expand_b``), G >= 1, offs ending at or
+    below the extent (empty groups included). Returns (case, layout options for _relaid)."""
     layout = draw(st.sampled_from(("2d3d", "2d2d", "3d3d", "3d2d")))
     G = draw(st.integers(1, 4))
     M, K, N = (draw(st.sampled_from((8, 16, 24, 40))) for _ in range(3))
@@ -199,7 +201,25 @@ def _torch_accepted_cases(draw):
         stride_b=draw(st.sampled_from(("contiguous", "transposed"))),
         bias=False, out_dtype=draw(st.sampled_from((None, dtype))),
         seed=draw(st.integers(0, 2**31 - 1)),
-    )
+        strided_offs=extent is not None and draw(st.booleans()),
+    ), {name: draw(st.booleans()) for name in ("pad_a", "pad_b", "expand_a", "expand_b")}
+
+
+def _relaid(t, pad: bool, expand: bool):
+    """t (2-D or 3-D, its last or second-to-last dimension unit-stride) with the same values where
+    ``expand`` is False, laid out as torch._grouped_mm also admits: with ``pad``, in a storage
+    whose unit-stride rows are 8 elements longer (16 bytes or more, finite values there); with
+    ``expand`` (3-D only), group 0 expanded to every group (stride 0)."""
+    if expand and t.dim() == 3:
+        t = t[:1].expand(t.shape)
+    if not pad:
+        return t
+    transposed = t.stride(-1) != 1
+    rows = t.transpose(-1, -2) if transposed else t
+    wide = torch.full((*rows.shape[:-1], rows.shape[-1] + 8), 1e3, dtype=t.dtype)
+    wide[..., : rows.shape[-1]] = rows
+    out = wide[..., : rows.shape[-1]]
+    return out.transpose(-1, -2) if transposed else out
 
 
 def _defined(out, case: Case, offs):
@@ -212,18 +232,20 @@ def _defined(out, case: Case, offs):
     return out
 
 
-@given(case=_torch_accepted_cases())
-def test_accepts_what_torch_grouped_mm_accepts(case):
+@given(drawn=_torch_accepted_cases())
+def test_accepts_what_torch_grouped_mm_accepts(drawn):
     """Shape and dtype equal torch._grouped_mm's; values within the tolerance rule, with
     torch._grouped_mm's result as the plain computation in the inputs' precision."""
+    case, lay = drawn
     a, b, offs, _, out_dtype = build(case)
+    a, b = _relaid(a, lay["pad_a"], lay["expand_a"]), _relaid(b, lay["pad_b"], lay["expand_b"])
     # Raises if the strategy drew a call it refuses.
     want = torch._grouped_mm(a, b, offs, out_dtype=out_dtype)
     got = moe_ops.grouped_mm(a, b, offs, out_dtype=out_dtype)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert_close(_defined(got, case, offs), _defined(oracle(a, b, offs), case, offs),
                  _defined(want, case, offs), _defined(magnitude(a, b, offs), case, offs),
-                 what=str(case))
+                 what=f"{case} {lay}")
 
 
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d3d", "3d2d"])
