@@ -12,6 +12,7 @@ Categories:
 * autocast on xla casts the inputs (the AutocastXLA key) before the XLA kernel;
 * vmap on xla: the batching rule's folded calls run on the XLA kernel, and per-sample offs that
   are not a valid partition are clamped on the device (no host read), sample by sample;
+* checked mode reads offs on the device and raises like on CPU; outside it offs are clamped;
 * new group sizes run the compiled XLA graph again (no new compilation), new shapes compile;
 * without torchax (which call_jax needs) the call is declined to the reference, not an error.
 """
@@ -153,6 +154,25 @@ def test_vmap_on_xla_clamps_offs_per_sample(dev):
     for s in range(3):
         _check(shared[s], a[s], b[0], clamped[1], None, None, f"shared weights, sample {s}")
         _check(routed[s], a[s], b[0], clamped[s], None, None, f"shared weights, own routing, sample {s}")
+
+
+def test_checked_mode_reads_offs_on_xla(dev):
+    """Checked mode validates offs values on the device too and raises like on CPU (README, "No
+    host sync on accelerators"): decreasing, past the extent and negative offs; valid ones pass.
+    Outside it the same calls run, on offs clamped on the device (cummax(clamp(offs, 0, M)))."""
+    gen = torch.Generator().manual_seed(6)
+    a, b = _operands("2d3d", 3, 12, 8, 8, torch.float32, gen)
+    xa, xb = _on(dev, a, b)
+    bad = {(5, 3, 12): "non-decreasing", (2, 5, 13): "exceeds the extent", (-1, 4, 12): "non-negative"}
+    for offs, message in bad.items():
+        xoffs = torch.tensor(offs, dtype=torch.int32).to(dev)
+        with moe_ops.checked(), pytest.raises(ValueError, match=message):
+            torch.ops.moe.grouped_mm(xa, xb, xoffs)
+        clamped = torch.cummax(torch.tensor(offs).clamp(0, 12), 0).values
+        _check(torch.ops.moe.grouped_mm(xa, xb, xoffs), a, b, clamped, None, None, f"unchecked {offs}")
+    with moe_ops.checked():
+        out = torch.ops.moe.grouped_mm(xa, xb, torch.tensor((2, 5, 12), dtype=torch.int32).to(dev))
+    _check(out, a, b, torch.tensor((2, 5, 12)), None, None, "checked, valid")
 
 
 def _compiles() -> int:
