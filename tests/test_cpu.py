@@ -1449,7 +1449,7 @@ def test_without_the_compiled_module_the_reference_serves_cpu_calls():
         "import sys, logging\n"
         "sys.modules['moe_ops._cpu'] = None  # as if the extension had not been built\n"
         "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
-        "import torch, moe_ops\n"
+        "import torch, moe_ops, moe_ops.testing\n"
         "from moe_ops import backends\n"
         "s = [s for s in backends.statuses() if s.name == 'cpu'][0]\n"
         "print('MODE', s.mode)\n"
@@ -1459,10 +1459,18 @@ def test_without_the_compiled_module_the_reference_serves_cpu_calls():
         "    out = moe_ops.grouped_mm(a, b, offs)\n"
         "torch.testing.assert_close(out, moe_ops.reference.grouped_mm(a, b, offs))\n"
         "print('COUNTS', moe_ops.kernel_counts())\n"
+        "print('EMPTIED', moe_ops.empty_cpu_cache())\n"
+        "try:\n"
+        "    moe_ops.testing.run_backend('cpu', a, b, offs)\n"
+        "except backends.BackendUnavailable as e:\n"  # the property suite skips on it
+        "    print('UNAVAILABLE', e)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "MODE None" in r.stdout and "moe_ops._cpu cannot be loaded" in r.stdout
+    assert "and a C++ compiler" in r.stdout  # the status says how to get the kernel
+    assert "EMPTIED 0" in r.stdout, r.stdout
+    assert "UNAVAILABLE the C++ extension moe_ops._cpu cannot be loaded" in r.stdout, r.stdout
     assert "COUNTS {'reference': 3}" in r.stdout
     assert r.stderr.count("CPU calls use the reference") == 1  # the backend's warning, once
     assert r.stderr.count("does not serve this call") == 1  # kernel_entry's fallback note, once
@@ -1474,16 +1482,19 @@ def test_the_generic_level_and_the_cache_limit_are_reported_as_documented():
     kernel "cpu:aten" (README), the status names no bf16 scheme, and it gives the cache limit
     MOE_OPS_CPU_CACHE_MB set, in MiB. In a subprocess: both variables are read once per process.
     Shapes: mat_a [10, 4], mat_b [2, 4, 3] float32, offs [2] int64."""
+    # The call comes first: importing moe_ops registers the kernel (not a later statuses()).
     code = ("import torch, moe_ops\nfrom moe_ops import backends\n"
-            "print('DETAIL', [s for s in backends.statuses() if s.name == 'cpu'][0].detail)\n"
             "moe_ops.grouped_mm(torch.randn(10, 4), torch.randn(2, 4, 3), torch.tensor([3, 10]))\n"
-            "print('COUNTS', moe_ops.kernel_counts())\n")
+            "print('COUNTS', moe_ops.kernel_counts())\n"
+            "print('DETAIL', [s for s in backends.statuses() if s.name == 'cpu'][0].detail)\n")
     env = dict(os.environ, MOE_OPS_CPU_ISA="generic", MOE_OPS_CPU_CACHE_MB="64")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr
     assert "COUNTS {'cpu:aten': 1}" in r.stdout, r.stdout
-    assert "float32: cpu:aten" in r.stdout and "of 64 MiB" in r.stdout, r.stdout
+    assert "of 64 MiB" in r.stdout, r.stdout
+    for dtype in ("bfloat16", "float32", "float16", "float64"):
+        assert f"{dtype}: cpu:aten" in r.stdout, r.stdout
     # bf16_scheme() still describes the CPU; at the generic level no bf16 kernel uses it.
     assert "swapped scheme" not in r.stdout, r.stdout
 
@@ -1502,6 +1513,40 @@ def test_kernel_counts_credit_each_call_to_its_own_kernel():
     moe_ops.reset_kernel_counts()
     _op.kernel_entry("test:noting", noting)(a, b, offs)
     _op.kernel_entry("test:plain", lambda *args: reference.compute(*args))(a, b, offs)
+    assert moe_ops.kernel_counts() == {"test:concrete": 1, "test:plain": 1}
+
+
+def test_kernel_counts_is_a_snapshot_and_credits_each_thread_its_own_kernel():
+    """kernel_counts() returns a copy (later calls do not change it), and the concrete kernel a
+    call names with note_kernel is credited to that call even when another thread's call starts
+    and ends in between (each thread has its own served name): thread 1's kernel names
+    "test:concrete", then waits until thread 2 has run a kernel that names none.
+    Shapes: mat_a [10, 4], mat_b [2, 4, 3] float32, offs [2] int64."""
+    from moe_ops import _op, reference
+
+    a, b, offs = torch.randn(10, 4), torch.randn(2, 4, 3), torch.tensor([3, 10])
+    noted, other_done = threading.Event(), threading.Event()
+
+    def noting(p, a, b, offs, bias):
+        _op.note_kernel("test:concrete")
+        noted.set()
+        assert other_done.wait(60)
+        return reference.compute(p, a, b, offs, bias)
+
+    def other():
+        assert noted.wait(60)
+        _op.kernel_entry("test:plain", lambda *args: reference.compute(*args))(a, b, offs)
+        other_done.set()
+
+    moe_ops.reset_kernel_counts()
+    before = moe_ops.kernel_counts()
+    threads = [threading.Thread(target=_op.kernel_entry("test:noting", noting), args=(a, b, offs)),
+               threading.Thread(target=other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert before == {}
     assert moe_ops.kernel_counts() == {"test:concrete": 1, "test:plain": 1}
 
 
@@ -1592,6 +1637,25 @@ def test_the_suite_collects_without_the_compiled_module():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+@pytest.mark.outside_cpp
+def test_require_backends_refuses_a_typo_and_a_backend_that_cannot_run():
+    """MOE_OPS_REQUIRE_BACKENDS (tests/conftest.py, as CI sets it) stops the run at configure time
+    when it names a backend this build does not know (a typo must not pass as "nothing
+    required") or one that cannot run here (the tpu backend without jax)."""
+    env = {k: v for k, v in os.environ.items() if k != "MOE_OPS_REQUIRE_BACKENDS"}
+    collect = ("import sys, pytest\nsys.exit(pytest.main(['--collect-only', '-q', '-p', "
+               "'no:cacheprovider', 'tests/test_example.py']))\n")
+    no_jax = "import sys; sys.modules['jax'] = None\n"
+    for required, prelude, message in (("cpu,cdua", "", "cdua (unknown)"),
+                                       ("tpu", no_jax, "tpu (jax not installed")):
+        r = subprocess.run([sys.executable, "-c", prelude + collect], capture_output=True,
+                           text=True, timeout=300, cwd=REPO,
+                           env=dict(env, MOE_OPS_REQUIRE_BACKENDS=required))
+        output = r.stdout[-2000:] + r.stderr[-2000:]
+        assert r.returncode == pytest.ExitCode.USAGE_ERROR, (required, output)
+        assert message in r.stderr, (required, r.stderr[-2000:])
+
+
 @pytest.mark.parametrize("extra", [[], ["--huge-page-weights", "--modes", "fwd,wgrad"]], ids=["plain", "huge-page-weights"])
 @pytest.mark.outside_cpp
 def test_benchmark_smoke(tmp_path, extra):
@@ -1644,15 +1708,22 @@ def test_cpu_huge_pages_moves_weights_in_place():
     before = moe_ops.grouped_mm(x, w, offs)
     start, size = w.untyped_storage().data_ptr(), w.untyped_storage().nbytes()
     lo, hi = -(-start // huge) * huge, (start + size) // huge * huge
-    moved = moe_ops.cpu_huge_pages(w, w[1], w.transpose(1, 2))  # one storage, counted once
+    # One storage, counted once; the small tensor in front has no whole huge page to move.
+    moved = moe_ops.cpu_huge_pages(torch.randn(1000), w, w[1], w.transpose(1, 2))
     # Read at once: after MADV_HUGEPAGE alone, khugepaged may collapse the range too, ~0.5 s later.
     in_huge = _smaps_field(lo, hi, "AnonHugePages") if moved else 0
     assert moved in (0, hi - lo), (moved, hi - lo)
     assert in_huge == moved
+    # Another storage over the same memory (4 KiB further in) adds no page twice: the count
+    # is of memory, not of storages.
+    w2 = torch.frombuffer(region, dtype=torch.float32, offset=8192, count=G * K * N - 1024)
+    again = moe_ops.cpu_huge_pages(w, w2)
+    assert again in (0, hi - lo), (again, hi - lo)
     assert torch.equal(w, ref) and w.data_ptr() == ptr
     assert torch.equal(moe_ops.grouped_mm(x, w, offs), before)
     if sys.platform.startswith("linux") and tuple(int(v) for v in re.findall(r"\d+", os.uname().release)[:2]) >= (6, 1):
         thp = cpu_backend.thp_mode()
+        assert thp in ("always", "madvise", "never"), thp
         assert moved or thp == "never", f"nothing moved into huge pages (THP: {thp})"
     small = torch.randn(1000)
     assert moe_ops.cpu_huge_pages(small) == 0 and moe_ops.cpu_huge_pages() == 0
@@ -1660,7 +1731,7 @@ def test_cpu_huge_pages_moves_weights_in_place():
         moe_ops.cpu_huge_pages(w, "weights")
     with pytest.raises(ValueError, match="CPU tensors"):
         moe_ops.cpu_huge_pages(torch.empty(4 << 20, device="meta"))
-    del w, ref, before
+    del w, w2, ref, before
     gc.collect()
     region.close()
 
@@ -1762,6 +1833,14 @@ def test_env_values_the_cpu_module_would_misread_are_reported():
                        ("\u00b2", "0 (the"), (" ", "0 (the output cache off)")):
         (msg,) = env_problems({"MOE_OPS_CPU_CACHE_MB": bad})
         assert "reads as " + reads in msg, (bad, msg)
+    # ... and logged as a warning once the module loads (a fresh process: read once).
+    code = ("import torch, moe_ops\n"
+            "moe_ops.grouped_mm(torch.randn(2, 3), torch.randn(1, 3, 4), torch.tensor([2]))\n")
+    env = dict(os.environ, MOE_OPS_CPU_ISA="AVX2", MOE_OPS_CPU_CACHE_MB="1g")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("not capped") == 1 and r.stderr.count("it reads as 1") == 1, r.stderr
 
 
 @pytest.mark.outside_cpp

@@ -170,6 +170,31 @@ def test_checked_mode_switch(monkeypatch):
         assert _contract.checked_mode(), on
 
 
+def test_checked_mode_is_restored_after_an_exception_and_is_per_thread(monkeypatch):
+    """checked() restores the previous mode when its block raises (a ValueError from the op, say),
+    and is per thread (README: autograd runs an accelerator's backward on a thread of its own);
+    MOE_OPS_CHECKED covers every thread."""
+    import threading
+
+    monkeypatch.delenv("MOE_OPS_CHECKED", raising=False)
+    with pytest.raises(ZeroDivisionError):
+        with moe_ops.checked():
+            1 / 0
+    assert not _contract.checked_mode()
+
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(_contract.checked_mode()))
+    with moe_ops.checked():
+        worker.start()
+        worker.join()
+        assert _contract.checked_mode()
+    monkeypatch.setenv("MOE_OPS_CHECKED", "1")
+    worker = threading.Thread(target=lambda: seen.append(_contract.checked_mode()))
+    worker.start()
+    worker.join()
+    assert seen == [False, True]
+
+
 def test_sanitize_offs_is_identity_on_valid_and_clamps_invalid():
     valid = torch.tensor([0, 3, 3, 7, 10])
     assert torch.equal(_contract.sanitize_offs(valid, 10), valid)

@@ -78,6 +78,75 @@ def test_main_command_reports_every_backend():
         assert f"\n{name} " in out, out
 
 
+def test_main_command_reports_keys_autograd_and_a_renamed_privateuse1():
+    """`python -m moe_ops` names every dispatch key the op has a kernel for (XLA and PrivateUse1
+    come from the routers of backends/__init__.py), the Autograd kernel, and a PrivateUse1 key
+    renamed by a device runtime (here as TorchTPU would, to "tpu")."""
+    code = ("import torch; torch.utils.rename_privateuse1_backend('tpu')\n"
+            "import runpy; runpy.run_module('moe_ops', run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT).stdout
+    keys = next(line for line in out.splitlines() if line.startswith("moe::grouped_mm kernels"))
+    listed = keys.split(": ", 1)[1].split(", ")
+    for key in ("CompositeExplicitAutograd", "Autograd", "Meta", "CPU", "CUDA", "XLA",
+                "PrivateUse1"):
+        assert key in listed, keys
+    assert f"Autograd kernel: {moe_ops._op.autograd_status()}" in out, out
+    assert "PrivateUse1 renamed to 'tpu'" in out, out
+
+
+def test_a_backend_that_fails_to_register_is_off_and_reported():
+    """A backend whose register() raises (here every one, through stand-in modules: a broken
+    optional toolchain must not break the package) is recorded as off, once: the import works,
+    the reason is logged once, statuses() lists it as unable to run with the reason,
+    backends.module() and run_backend raise BackendUnavailable naming it, `python -m moe_ops`
+    shows it as "cannot run here", and CPU calls still compute (with the reference).
+    Shapes: mat_a [6, 4], mat_b [2, 4, 3] float32, offs [2] int64."""
+    code = (
+        "import sys, types\n"
+        "def broken(name):\n"
+        "    m = types.ModuleType('moe_ops.backends.' + name)\n"
+        "    def register():\n"
+        "        raise RuntimeError(name + ' runtime is broken')\n"
+        "    m.register = register\n"
+        "    return m\n"
+        "for n in ('cpu', 'cuda', 'tpu', 'neuron'):\n"
+        "    sys.modules['moe_ops.backends.' + n] = broken(n)\n"
+        "import torch, moe_ops, moe_ops.testing\n"
+        "from moe_ops import backends\n"
+        "for _ in range(2):\n"
+        "    for s in backends.statuses():\n"
+        "        print('STATUS', s.name, s.keys, s.mode, '|', s.detail)\n"
+        "try:\n"
+        "    backends.module('tpu')\n"
+        "except backends.BackendUnavailable as e:\n"
+        "    print('UNAVAILABLE', e)\n"
+        "a, b, offs = torch.randn(6, 4), torch.randn(2, 4, 3), torch.tensor([2, 6])\n"
+        "try:\n"
+        "    moe_ops.testing.run_backend('cpu', a, b, offs)\n"
+        "except backends.BackendUnavailable as e:\n"
+        "    print('RUN_BACKEND', e)\n"
+        "want = moe_ops.reference.grouped_mm(a, b, offs)\n"
+        "torch.testing.assert_close(moe_ops.grouped_mm(a, b, offs), want)\n"
+        "print('COUNTS', moe_ops.kernel_counts())\n"
+        "import runpy; runpy.run_module('moe_ops', run_name='__main__')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    for name in backend_names()[1:]:
+        reason = f"RuntimeError: {name} runtime is broken"
+        assert r.stderr.count(f"backend {name} is off: {reason}") == 1, r.stderr  # logged once
+        assert r.stdout.count(f"STATUS {name} () None | off: {reason}") == 2, r.stdout
+        row = next(line for line in r.stdout.splitlines() if line.startswith(f"{name} "))
+        assert row.split() == [name, "-", "cannot", "run", "here", "off:", "RuntimeError:", name,
+                               "runtime", "is", "broken"], row
+    unavailable = "UNAVAILABLE backend 'tpu' is off: RuntimeError: tpu runtime is broken"
+    assert unavailable in r.stdout, r.stdout
+    assert "RUN_BACKEND backend 'cpu' is off" in r.stdout, r.stdout
+    assert "COUNTS {'reference': 1}" in r.stdout, r.stdout
+
+
 def test_readme_quickstart_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()

@@ -183,7 +183,9 @@ def huge_pages(tensors) -> int:
         return 0
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    huge, done, seen = _huge_page_bytes(), 0, set()
+    # counted: the huge pages already counted, so that storages over the same memory (numpy
+    # views, frombuffer at two offsets) do not count a page twice.
+    huge, done, seen, counted = _huge_page_bytes(), 0, set(), set()
     for t in tensors:
         storage = t.untyped_storage()
         start, size = storage.data_ptr(), storage.nbytes()
@@ -205,8 +207,11 @@ def huge_pages(tensors) -> int:
         # should say which did.
         errors = set()
         for page in range(lo, hi, huge):
+            if page in counted:
+                continue
             if libc.madvise(page, huge, _MADV_COLLAPSE) == 0:
                 done += huge
+                counted.add(page)
             else:
                 errors.add(os.strerror(ctypes.get_errno()))
         if errors:
