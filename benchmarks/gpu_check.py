@@ -36,6 +36,11 @@ implementation "moe_ops (name)" on the same tensors, with its speedup over the d
 "variant_speedup". Group sizes are a Dirichlet(1) split of M in multiples of 16 rows (seeded). Each result is
 checked against the loop before it is timed (one that fails, NaN included, gets no speedups, and
 "goals" says "moe_ops correct": false). Times are medians of CUDA-event timings.
+
+"goals" has, per case, a verdict on every issue #3 target that applies to it: true, false, or
+null where it could not be judged (a peer raised, failed its check or was not run). Exit status:
+1 when the suite failed or timed out, or the op failed its check or raised in a benchmark; 2
+without a CUDA device; else 0 (a target not met, or a case cut by the budget, is data).
 """
 
 from __future__ import annotations
@@ -221,10 +226,17 @@ def run_suite(out_dir: Path, timeout_s: float, examples: int) -> dict:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    text = log_path.read_text(errors="replace")
+    result = {"command": " ".join(cmd), "returncode": rc, "seconds": round(time.perf_counter() - start, 1)}
+    result.update(suite_outcome(rc, log_path.read_text(errors="replace")))
+    return result
+
+
+def suite_outcome(rc: Optional[int], text: str) -> dict:
+    """pytest's exit status (None: stopped at the time limit) and log as run_suite's "status"
+    ("passed" only for 0; 5, no test collected, is "failed"), "summary" (the counts of the last
+    line) and, unless it passed, "failures" and "log_tail"."""
     summary = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", text.splitlines()[-1] if text else "")}
-    result = {"command": " ".join(cmd), "returncode": rc, "seconds": round(time.perf_counter() - start, 1),
-              "summary": summary, "status": "timeout" if rc is None else ("passed" if rc == 0 else "failed")}
+    result = {"summary": summary, "status": "timeout" if rc is None else ("passed" if rc == 0 else "failed")}
     if rc != 0:
         result["failures"] = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))][:40]
         result["log_tail"] = text[-4000:]
@@ -402,6 +414,14 @@ def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float 
             entry.setdefault("error", f"after the run: {why}")
         if name == "moe_ops":
             result["moe_ops_kernels"] = moe_ops.kernel_counts()
+    speedups(result, variants)
+    return result
+
+
+def speedups(result: dict, variants=()) -> None:
+    """result["speedup_vs"][peer][phase]: the peer's time over moe_ops' (> 1: moe_ops is faster),
+    and result["variant_speedup"][v][phase]: moe_ops' default time over the variant's, from
+    result["impls"] (bench_case's entries), phase "forward" or "backward"."""
     ours = result["impls"]["moe_ops"]
     for name in ("torch._grouped_mm", "loop_torch.mm", "dense_torch.mm"):
         other = result["impls"][name]
@@ -417,7 +437,6 @@ def bench_case(case: dict, seed: int = 0, device: str = "cuda", budget_s: float 
         for phase in ("forward_ms", "backward_ms"):
             if phase in ours and phase in other:
                 result.setdefault("variant_speedup", {}).setdefault(v, {})[phase[:-3]] = ours[phase] / other[phase]
-    return result
 
 
 def _check_and_time(entry, f, x, y, check, ref_out, ref_grads, dy, case, dev, budget_s) -> None:
@@ -442,22 +461,29 @@ def _check_and_time(entry, f, x, y, check, ref_out, ref_grads, dy, case, dev, bu
 
 
 def goals(results: list) -> dict:
-    """Issue #3's targets, evaluated on what was measured (informational; for Hopper/Blackwell)."""
+    """Issue #3's targets, evaluated on what was measured (informational; for Hopper/Blackwell).
+    Every target that applies to a case gets a verdict: True, False, or None where it could not
+    be judged (moe_ops or the peer raised, failed its check or was not run), so that a missing
+    measurement never reads as a target met. "moe_ops correct" (and "torch._grouped_mm correct"
+    where it was checked) says whether the result passed the check against the loop."""
     out = {}
     for r in results:
-        s = r.get("speedup_vs", {})
-        key = f"{r['model']}@{r['M']}"
-        g = {}
-        if "correct" in r.get("impls", {}).get("moe_ops", {}):
-            # False: the result failed the check, and bench_case left out the speedups.
-            g["moe_ops correct"] = r["impls"]["moe_ops"]["correct"]
-        if r["model"] in LARGE_EXPERT_MODELS and "dense_torch.mm" in s:
-            g["forward >= 70% of dense"] = s["dense_torch.mm"]["forward"] >= 0.7
-        for phase in s.get("torch._grouped_mm", {}):
-            g[f"{phase} not slower than _grouped_mm"] = s["torch._grouped_mm"][phase] >= 1.0
-        if r["G"] >= 128 and "loop_torch.mm" in s:
-            g["forward >= 1.5x loop"] = s["loop_torch.mm"]["forward"] >= 1.5
-        out[key] = g
+        s, impls = r.get("speedup_vs", {}), r.get("impls", {})
+
+        def at_least(peer, phase, ratio):
+            value = s.get(peer, {}).get(phase)
+            return None if value is None else value >= ratio
+
+        g = {"moe_ops correct": impls.get("moe_ops", {}).get("correct")}
+        if "correct" in impls.get("torch._grouped_mm", {}):
+            g["torch._grouped_mm correct"] = impls["torch._grouped_mm"]["correct"]
+        if r["model"] in LARGE_EXPERT_MODELS:
+            g["forward >= 70% of dense"] = at_least("dense_torch.mm", "forward", 0.7)
+        for phase in ("forward", "backward"):
+            g[f"{phase} not slower than _grouped_mm"] = at_least("torch._grouped_mm", phase, 1.0)
+        if r["G"] >= 128:
+            g["forward >= 1.5x loop"] = at_least("loop_torch.mm", "forward", 1.5)
+        out[f"{r['model']}@{r['M']}"] = g
     return out
 
 
@@ -525,7 +551,16 @@ def _checks(args, report, deadline: float, out_dir: Path) -> int:
     report.write()
     print(f"gpu_check: wrote {report.path}")
     suite = report.data.get("suite", {})
-    return 1 if suite.get("status") in ("failed", "timeout") else 0
+    # The op (default or a --variants opt-in) failing its check against the loop, or raising
+    # (an illegal address, a compile error; not "not run" for the time budget), fails the run
+    # like a failed suite: before, the exit status was 0 and only the JSON said so.
+    wrong = [f"{r['model']}@{r['M']} {name}" for r in report.data.get("benchmarks", [])
+             for name, e in r.get("impls", {}).items()
+             if name.startswith("moe_ops") and (e.get("correct") is False or (
+                 "error" in e and not e["error"].startswith("not run")))]
+    if wrong:
+        print(f"gpu_check: the op failed its check or raised: {', '.join(wrong)}", file=sys.stderr)
+    return 1 if suite.get("status") in ("failed", "timeout") or wrong else 0
 
 
 if __name__ == "__main__":

@@ -75,6 +75,28 @@ def time_grouped_mm(a, b, offs):
     return None, errors
 
 
+def measure_config(entry: dict, run, ref, grouped_mm_ms) -> None:
+    """One configuration into entry: run()'s result checked against ref (rel_err; over 2e-2, or
+    NaN, is "wrong result" and is not timed), then its time "ms" and "vs_grouped_mm",
+    torch._grouped_mm's time over it (> 1: faster than torch._grouped_mm)."""
+    err = _rel_err(run(), ref)  # in chunks: DeepSeek-V3's weight gradient is 7 GiB in bf16
+    entry["rel_err"] = err
+    if err > 2e-2:
+        entry["error"] = "wrong result"
+        return
+    entry["ms"] = time_ms(run)
+    if grouped_mm_ms:
+        entry["vs_grouped_mm"] = grouped_mm_ms / entry["ms"]
+
+
+def best(row: dict) -> dict:
+    """row["best"]: the fastest timed configuration of row["configs"]; returns {name: ms}."""
+    timed = {k: v["ms"] for k, v in row["configs"].items() if "ms" in v}
+    if timed:
+        row["best"] = min(timed, key=timed.get)
+    return timed
+
+
 def problems(model: str, M: int):
     """(direction, mat_a, mat_b, offs) for one model and M routed rows, bf16 on the GPU."""
     G, K, N = MODELS[model]
@@ -134,20 +156,13 @@ def main(argv=None) -> int:
                 entry = row["configs"][name] = {"config": [cfg.BM, cfg.BN, cfg.BK, cfg.num_warps, cfg.num_stages,
                                                            cfg.programs_per_sm], "tma": cfg.tma}
                 try:
-                    out = tk.grouped_mm(p, a, b, offs, None, config=cfg, arch=arch)
-                    err = _rel_err(out, ref)  # in chunks: DeepSeek-V3's weight gradient is 7 GiB in bf16
-                    entry["rel_err"] = err
-                    if err > 2e-2:
-                        entry["error"] = "wrong result"
-                        continue
-                    entry["ms"] = time_ms(lambda: tk.grouped_mm(p, a, b, offs, None, config=cfg, arch=arch))
-                    if row["torch._grouped_mm_ms"]:
-                        entry["vs_grouped_mm"] = row["torch._grouped_mm_ms"] / entry["ms"]
+                    def run(cfg=cfg):
+                        return tk.grouped_mm(p, a, b, offs, None, config=cfg, arch=arch)
+
+                    measure_config(entry, run, ref, row["torch._grouped_mm_ms"])
                 except Exception as e:  # a configuration that does not compile or fit is data
                     entry["error"] = f"{type(e).__name__}: {e}"[:300]
-            timed = {k: v["ms"] for k, v in row["configs"].items() if "ms" in v}
-            if timed:
-                row["best"] = min(timed, key=timed.get)
+            timed = best(row)
             doc["results"].append(row)
             path.write_text(json.dumps(doc, indent=1))
             print(f"{model}:{M} {direction}: _grouped_mm {row['torch._grouped_mm_ms']} ms, "
