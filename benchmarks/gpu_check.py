@@ -152,8 +152,20 @@ class Report:
 
     def write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        tmp.write_text(json.dumps(_strict(self.data), indent=2, default=str, allow_nan=False))
         tmp.replace(self.path)
+
+
+def _strict(value):
+    """value with every non-finite float as the string "inf", "-inf" or "nan" (a NaN result's
+    error is inf; json.dumps wrote it as Infinity, which strict JSON readers such as jq reject)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
 
 
 def moe_ops_env() -> dict:

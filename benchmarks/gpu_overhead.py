@@ -221,22 +221,24 @@ def main(argv=None) -> int:
                 return lambda: torch.autograd.grad(fn(x, y, **kw), (x, y), ones)
 
             before = _op._Autograd.active
-            for kind in ("cpp", "python"):
-                try:
-                    _op.use_autograd(kind)
-                except RuntimeError as e:
-                    print(f"{name}: no {kind} Autograd kernel here ({e})", flush=True)
-                    continue
-                workload = fwd_bwd(moe_ops.grouped_mm, offs=offs)
-                rows[f"fwd+bwd moe_ops ({kind} autograd)"] = per_call_us(workload, 50)
-                with _Inside([(tk, "grouped_mm"), (_contract, "check_args")]) as inside:
-                    for _ in range(50):
-                        workload()
-                    torch.cuda.synchronize()
-                rows[f"fwd+bwd moe_ops ({kind} autograd)"]["inside"] = inside.per_call(50)
-                with variant("launch-cache"):
-                    rows[f"fwd+bwd moe_ops ({kind} autograd, launch cache on)"] = per_call_us(workload, 50)
-            _op.use_autograd(before)
+            try:  # the kernel in use restored even when a row fails (the problems after use it)
+                for kind in ("cpp", "python"):
+                    try:
+                        _op.use_autograd(kind)
+                    except RuntimeError as e:
+                        print(f"{name}: no {kind} Autograd kernel here ({e})", flush=True)
+                        continue
+                    workload = fwd_bwd(moe_ops.grouped_mm, offs=offs)
+                    rows[f"fwd+bwd moe_ops ({kind} autograd)"] = per_call_us(workload, 50)
+                    with _Inside([(tk, "grouped_mm"), (_contract, "check_args")]) as inside:
+                        for _ in range(50):
+                            workload()
+                        torch.cuda.synchronize()
+                    rows[f"fwd+bwd moe_ops ({kind} autograd)"]["inside"] = inside.per_call(50)
+                    with variant("launch-cache"):
+                        rows[f"fwd+bwd moe_ops ({kind} autograd, launch cache on)"] = per_call_us(workload, 50)
+            finally:
+                _op.use_autograd(before)
             try:  # Hopper-only before torch 2.9: not a reason to lose the rows after it
                 rows["fwd+bwd torch._grouped_mm"] = per_call_us(fwd_bwd(torch._grouped_mm, offs=offs), 50)
             except Exception as e:

@@ -392,6 +392,22 @@ def test_exit_status(gpu_check, monkeypatch, tmp_path):
         assert data["complete"] and data["goals"]["qwen3-30b-a3b@4096"]["moe_ops correct"]
 
 
+def test_report_is_strict_json(gpu_check, tmp_path):
+    """The report is JSON that strict readers (jq) take: a NaN result's error, inf in memory so
+    that every threshold calls it wrong, is written as the string "inf" (json.dumps alone wrote
+    Infinity)."""
+    report = gpu_check.Report(tmp_path)
+    errors = {"out": float("inf"), "d_mat_a": float("nan"), "d_mat_b": 0.5}
+    report.data["impls"] = {"moe_ops": {"rel_err": errors}}
+    report.write()
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    data = json.loads((tmp_path / "gpu_check.json").read_text(), parse_constant=refuse)
+    assert data["impls"]["moe_ops"]["rel_err"] == {"out": "inf", "d_mat_a": "nan", "d_mat_b": 0.5}
+
+
 @pytest.fixture(scope="module")
 def sweep():
     path = _PATH.parent / "gpu_tile_sweep.py"
