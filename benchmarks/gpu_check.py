@@ -39,8 +39,9 @@ checked against the loop before it is timed (one that fails, NaN included, gets 
 
 "goals" has, per case, a verdict on every issue #3 target that applies to it: true, false, or
 null where it could not be judged (a peer raised, failed its check or was not run). Exit status:
-1 when the suite failed or timed out, or the op failed its check or raised in a benchmark; 2
-without a CUDA device; else 0 (a target not met, or a case cut by the budget, is data).
+1 when the suite failed, timed out or could not run (pytest or hypothesis missing), or the op
+failed its check or raised in a benchmark; 2 without a CUDA device; else 0 (a target not met,
+or a case cut by the budget, is data).
 """
 
 from __future__ import annotations
@@ -572,7 +573,8 @@ def _checks(args, report, deadline: float, out_dir: Path) -> int:
                  "error" in e and not e["error"].startswith("not run")))]
     if wrong:
         print(f"gpu_check: the op failed its check or raised: {', '.join(wrong)}", file=sys.stderr)
-    return 1 if suite.get("status") in ("failed", "timeout") or wrong else 0
+    # A suite that could not run (pytest or hypothesis missing; not --no-suite) checked nothing.
+    return 1 if suite.get("status") in ("failed", "timeout", "skipped") or wrong else 0
 
 
 if __name__ == "__main__":

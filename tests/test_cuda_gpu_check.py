@@ -368,14 +368,15 @@ def test_a_slightly_wrong_result_or_gradient_fails_the_check(gpu_check, monkeypa
 
 
 def test_exit_status(gpu_check, monkeypatch, tmp_path):
-    """main's exit status on a (stand-in) CUDA machine: 1 when the suite failed or ran out of
-    time, or when the op (here a --variants opt-in) failed its check or raised in a benchmark;
+    """main's exit status on a (stand-in) CUDA machine: 1 when the suite failed, ran out of time
+    or could not run (pytest or hypothesis missing), or when the op (here a --variants opt-in)
+    failed its check or raised in a benchmark;
     0 when it was only cut by the time budget. The suite run and the benchmark case are
     stand-ins (no GPU here)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpu_check, "environment", lambda: {"stand-in": True})
     monkeypatch.setattr(gpu_check, "_release_cache", lambda: None)
-    for status, code in (("passed", 0), ("failed", 1), ("timeout", 1)):
+    for status, code in (("passed", 0), ("failed", 1), ("timeout", 1), ("skipped", 1)):
         monkeypatch.setattr(gpu_check, "run_suite", lambda *args, s=status: {"status": s})
         assert gpu_check.main(["--out", str(tmp_path), "--no-bench"]) == code, status
     for entry, code in (({"correct": True}, 0), ({"correct": False}, 1),
