@@ -478,7 +478,8 @@ def goals(results: list) -> dict:
     Every target that applies to a case gets a verdict: True, False, or None where it could not
     be judged (moe_ops or the peer raised, failed its check or was not run), so that a missing
     measurement never reads as a target met. "moe_ops correct" (and "torch._grouped_mm correct"
-    where it was checked) says whether the result passed the check against the loop."""
+    where it was checked) says whether the result passed the check against the loop, and "moe_ops
+    on CUDA kernels" whether every call it made ran on one (kernel_counts)."""
     out = {}
     for r in results:
         s, impls = r.get("speedup_vs", {}), r.get("impls", {})
@@ -488,6 +489,11 @@ def goals(results: list) -> dict:
             return None if value is None else value >= ratio
 
         g = {"moe_ops correct": impls.get("moe_ops", {}).get("correct")}
+        if "moe_ops_kernels" in r:
+            # Its times are the CUDA kernels' only if no call fell back (to the reference, say):
+            # the suite's MOE_OPS_REQUIRE_BACKENDS=cuda does not cover --no-suite runs.
+            kernels = r["moe_ops_kernels"]
+            g["moe_ops on CUDA kernels"] = all(k.startswith("cuda:") for k in kernels) if kernels else None
         if "correct" in impls.get("torch._grouped_mm", {}):
             g["torch._grouped_mm correct"] = impls["torch._grouped_mm"]["correct"]
         if r["model"] in LARGE_EXPERT_MODELS:

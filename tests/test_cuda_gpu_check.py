@@ -181,9 +181,10 @@ def test_a_wrong_result_gets_no_speedups(gpu_check, monkeypatch):
     result = gpu_check.bench_case(case, device="cpu", budget_s=0.01)
     assert result["impls"]["moe_ops"]["correct"] is False
     assert "speedup_vs" not in result
-    # Every target of the shape is there, unjudged (None), not left out as if it were met.
+    # Every target of the shape is there, unjudged (None), not left out as if it were met (and
+    # here, on CPU, the op's calls ran on the CPU kernel, not on CUDA ones).
     assert gpu_check.goals([result]) == {"deepseek-v3@64": {
-        "moe_ops correct": False, "torch._grouped_mm correct": True,
+        "moe_ops correct": False, "moe_ops on CUDA kernels": False, "torch._grouped_mm correct": True,
         "forward >= 70% of dense": None, "forward not slower than _grouped_mm": None,
         "backward not slower than _grouped_mm": None}}
 
@@ -220,6 +221,12 @@ def test_goals_at_their_thresholds_and_on_which_shapes(gpu_check):
     assert set(judged("mixtral-8x7b", _speedups(0.7, 1.0, 0.1))) == {
         "moe_ops correct", "forward >= 70% of dense", "forward not slower than _grouped_mm",
         "backward not slower than _grouped_mm"}
+    # The op's calls all on CUDA kernels, or one fell back (its times are not the kernels').
+    served = dict(model="qwen3-30b-a3b", M=4096, G=128, speedup_vs={}, impls={})
+    for kernels, verdict in (({"cuda:triton": 9}, True), ({"cuda:triton": 8, "reference": 1}, False),
+                             ({}, None)):
+        got = gpu_check.goals([dict(served, moe_ops_kernels=kernels)])["qwen3-30b-a3b@4096"]
+        assert got["moe_ops on CUDA kernels"] is verdict, kernels
     # Nothing measured against a peer (it raised, or ran past the budget): unjudged, not met.
     missing = judged("deepseek-v3", {"dense_torch.mm": {"forward": 0.9, "backward": 0.9}})
     assert missing["forward >= 70% of dense"] is True
