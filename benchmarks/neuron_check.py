@@ -18,7 +18,9 @@ Steps, each recorded in the JSON:
    timed against a dense matmul with the same FLOPs on the same device (medians of --iters runs
    after warm-up); group sizes from a Dirichlet(1) split.
 The JSON (default $OUT/neuron_check.json when $OUT is set) is rewritten after every step, a step
-that raises is recorded there, and the steps are bounded (--cases-s, --simulate-s).
+that raises is recorded there, and the steps are bounded (--cases-s, --simulate-s). The exit status
+is 1 when a step raised, a property case failed, the nki.simulate tests failed or timed out, or
+a timed grouped matmul raised (the dense baseline raising is recorded only).
 """
 
 from __future__ import annotations
@@ -238,15 +240,21 @@ def main(argv=None):
     _step(result, "benchmarks", args.out, lambda: benchmarks(device, shapes, iters))
     p = result["property_cases"]
     failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    # Before, these two left the exit status 0 (only the JSON said so): the nki.simulate tests
+    # failing or timing out (returncode None), and the op raising in a benchmark.
+    sim_rc = result["nki_simulate_tests"].get("returncode")
+    bench = result["benchmarks"] if isinstance(result["benchmarks"], list) else []
+    raised = [f"{r['case']} G={r['G']} M={r['M']} K={r['K']} N={r['N']}" for r in bench
+              if r.get("case") != "dense" and "error" in r]
     print(f"{device}: {p.get('examples')} property cases, {len(p.get('failures', []))} failures, kernels "
           f"{p.get('kernels')}; nki.simulate tests rc={result['nki_simulate_tests'].get('returncode')}; "
-          f"steps that raised: {failed}; wrote {args.out}")
+          f"steps that raised: {failed}; benchmarks that raised: {raised}; wrote {args.out}")
     for r in result["benchmarks"] if isinstance(result["benchmarks"], list) else []:
         print(f"  {r['case']:32s} G={r['G']} M={r['M']} K={r['K']} N={r['N']}: "
               + (f"{r['seconds'] * 1e3:.2f} ms, x{r['x_dense'] or float('nan'):.2f} dense, "
                  f"{r['kernels']}" if "seconds" in r
                  else r["error"]))
-    return 1 if failed or p.get("failures") else 0
+    return 1 if failed or p.get("failures") or sim_rc != 0 or raised else 0
 
 
 if __name__ == "__main__":

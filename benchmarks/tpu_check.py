@@ -32,9 +32,15 @@ each by
   * ``jax.lax.ragged_dot`` (XLA's own grouped matmul),
   * a dense ``jnp.dot`` with the same FLOPs ([M, K] @ [K, N]), the throughput ceiling.
 Group sizes are a Dirichlet(1) split of M (seeded). Every result is compared with ragged_dot
-before timing (max |difference| / max |ragged_dot| is recorded). Times are medians of
+before timing (max |difference| / max |ragged_dot| is recorded, None if the result is not
+finite, and ``correct`` is whether it is below REL_DIFF_LIMIT). Times are medians of
 ``--reps`` runs after warm-up, each ended by ``block_until_ready``. Finally, the number of jax
 compilations while the group sizes change (expected: 0).
+
+The exit status is 1 when anything in ``failures`` (also written to the JSON) went wrong: the
+suite failed or timed out, our kernels differ from ragged_dot or raise, a case raises as a whole,
+the benchmarks raise, or new group sizes recompile. A peer (MegaBlox, ragged_dot, dense) raising
+and a case not started for ``--bench-s`` are recorded only.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -63,6 +70,9 @@ MODELS = {
 TOKENS = (16384, 65536)  # M, routed rows (tokens x top-k)
 SMOKE = {"smoke": (4, 256, 384)}
 SMOKE_TOKENS = (512,)
+# Largest max|got - ragged_dot| / max|ragged_dot| that passes: both are bf16 results of fp32
+# accumulations, a few bf16 roundings (2^-8 each) apart; gpu_check.py uses the same bound.
+REL_DIFF_LIMIT = 2e-2
 
 
 def cases(interpret: bool):
@@ -71,14 +81,21 @@ def cases(interpret: bool):
 
 
 def _write(out_dir: Path, report: dict) -> None:
-    (out_dir / "tpu_check.json").write_text(json.dumps(report, indent=1))
+    # Strict JSON (jq rejects Infinity): a result that is not finite is recorded as None.
+    (out_dir / "tpu_check.json").write_text(json.dumps(report, indent=1, allow_nan=False))
 
 
-def run_suite(out_dir: Path, report: dict, timeout_s: float = 300.0) -> None:
+def suite_command() -> tuple:
+    """(argv, environment) of the property suite's pytest run on the TPU."""
     env = {**os.environ, "MOE_OPS_TPU_NATIVE": "1", "MOE_OPS_REQUIRE_BACKENDS": "tpu",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_properties.py",
            "tests/test_tpu.py", "-k", "tpu"]
+    return cmd, env
+
+
+def run_suite(out_dir: Path, report: dict, timeout_s: float = 300.0) -> None:
+    cmd, env = suite_command()
     t = time.time()
     try:  # bounded: natively every new shape is a Mosaic compile, and the benchmarks come after
         r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -148,8 +165,14 @@ def _rel_diff_fn():
 
     # One fused reduction, no fp32 copies: DeepSeek-V3's weight gradient at 65536 rows is
     # [256, 7168, 2048], 7.5 GB in bf16 and 15 GB per fp32 copy.
-    return jax.jit(lambda got, ref: jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))
-                   / jnp.max(jnp.abs(ref.astype(jnp.float32))))
+    def rel_diff(got, ref):
+        diff = jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))
+        # inf where got is not finite: XLA's fused max reduction drops NaN (on CPU a result
+        # with NaN rows came out 0.0, i.e. exact), so the check asks for it explicitly.
+        rel = diff / jnp.max(jnp.abs(ref.astype(jnp.float32)))
+        return jnp.where(jnp.all(jnp.isfinite(got)), rel, jnp.inf)
+
+    return jax.jit(rel_diff)
 
 
 def _bench_case(out_dir: Path, report: dict, generation: str, interpret: bool, reps: int,
@@ -216,7 +239,11 @@ def _bench_case(out_dir: Path, report: dict, generation: str, interpret: bool, r
             try:
                 if impl != "dense" and reference is not None:
                     got = fn(*args)
-                    row[f"{impl}_rel_diff"] = float(_rel_diff_fn()(got, reference))
+                    diff = float(_rel_diff_fn()(got, reference))
+                    row[f"{impl}_rel_diff"] = diff if math.isfinite(diff) else None
+                    # Before, nothing judged the difference: a wrong kernel's time was published
+                    # and the exit status was 0.
+                    row[f"{impl}_correct"] = diff < REL_DIFF_LIMIT
                     del got
                 seconds = _time(fn, args, reps)
                 row[f"{impl}_ms"] = round(seconds * 1e3, 4)
@@ -262,6 +289,32 @@ def count_recompiles(interpret: bool, generation: str) -> int:
     return count[0]
 
 
+def failures(report: dict) -> list:
+    """Why the run fails, one line each (the exit status is 1 unless this is empty): the suite
+    failed or timed out (returncode None), the benchmarks raised, a case raised as a whole, our
+    kernel (``ours``) differs from ragged_dot or raised, or new group sizes recompiled. Not a
+    peer raising, nor a case not started for the time budget (``not_run``)."""
+    out = []
+    if "suite" in report and report["suite"]["returncode"] != 0:
+        out.append(f"suite: {report['suite']['summary']}")
+    if "benchmark_error" in report:
+        out.append("the benchmarks raised")
+    for row in report.get("benchmarks", []):
+        where = f"{row['model']} G={row['G']} M={row['M']} K={row['K']} N={row['N']}"
+        if "op" not in row:
+            out.append(f"{where}: the case raised")
+            continue
+        if row.get("ours_correct") is False:
+            diff = row["ours_rel_diff"]
+            out.append(f"{where} {row['op']}: ours differs from ragged_dot by "
+                       + ("a result that is not finite" if diff is None else f"{diff}"))
+        if "ours_error" in row:
+            out.append(f"{where} {row['op']}: ours raised {row['ours_error']}")
+    if report.get("recompiles_on_new_group_sizes"):
+        out.append(f"{report['recompiles_on_new_group_sizes']} compilations for new group sizes")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="output directory")
@@ -290,20 +343,19 @@ def main(argv=None) -> int:
               "device_kind": device.device_kind, "interpret": args.interpret,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     _write(args.out, report)
-    status = 0
     if not args.no_suite and not args.interpret:
         run_suite(args.out, report, args.suite_s)
-        status |= report["suite"]["returncode"] != 0  # None (timed out) counts as a failure
         _write(args.out, report)
     try:
         run_benchmarks(args.out, report, args.interpret, args.reps, args.bench_s)
     except Exception:
         report["benchmark_error"] = traceback.format_exc()[-3000:]
-        status = 1
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    report["failures"] = failures(report)
     _write(args.out, report)
-    print(json.dumps({k: report.get(k) for k in ("suite", "recompiles_on_new_group_sizes", "benchmark_error")}))
-    return status
+    keys = ("suite", "recompiles_on_new_group_sizes", "benchmark_error", "failures")
+    print(json.dumps({k: report.get(k) for k in keys}))
+    return 1 if report["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -141,19 +141,26 @@ def test_importing_moe_ops_imports_no_neuron_toolchain():
         assert neuron.NKI_MISSING in mode_detail and "not AWS's simulator" in mode_detail
 
 
-def test_neuron_check_keeps_what_it_measured_when_a_step_fails(tmp_path, monkeypatch):
-    """benchmarks/neuron_check.py runs once on a lent Trainium machine: a step that raises (here
-    the benchmarks, standing for a Neuron compile or runtime error) is recorded and the JSON,
-    rewritten after every step, keeps the earlier steps. It used to be written only at the end,
-    so such a failure lost the whole run. --device cpu --quick: 5 property cases on CPU."""
+def _neuron_check():
+    """benchmarks/neuron_check.py, loaded as a module (it is a script, not part of the package)."""
     import importlib.util
-    import json
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "neuron_check.py"
     spec = importlib.util.spec_from_file_location("neuron_check", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_neuron_check_keeps_what_it_measured_when_a_step_fails(tmp_path, monkeypatch):
+    """benchmarks/neuron_check.py runs once on a lent Trainium machine: a step that raises (here
+    the benchmarks, standing for a Neuron compile or runtime error) is recorded and the JSON,
+    rewritten after every step, keeps the earlier steps. It used to be written only at the end,
+    so such a failure lost the whole run. --device cpu --quick: 5 property cases on CPU."""
+    import json
+
+    script = _neuron_check()
 
     def device_failure(*args, **kwargs):
         raise RuntimeError("stand-in for a device failure")
@@ -166,3 +173,94 @@ def test_neuron_check_keeps_what_it_measured_when_a_step_fails(tmp_path, monkeyp
     result = json.loads(out.read_text())
     assert result["property_cases"]["examples"] == 5 and not result["property_cases"]["failures"]
     assert "stand-in for a device failure" in result["benchmarks"]["error"]
+
+
+def test_neuron_check_exit_status(tmp_path, monkeypatch):
+    """main's exit status is 1 when the nki.simulate tests fail or time out (returncode None), a
+    timed grouped matmul raises, or a property case fails; the dense baseline raising is only
+    recorded. The first two exited 0 (only the JSON said so). The steps are stood in by
+    hand-made results; --examples reaches the property cases."""
+    script = _neuron_check()
+    shape = {"G": 4, "M": 512, "K": 128, "N": 256}
+    row = {"case": "forward 2d3d", **shape, "seconds": 1e-3, "x_dense": None, "kernels": {}}
+    seen = {}
+
+    def main(prop=(), sim=0, bench=(row,)):
+        def cases(device, examples, budget_s):
+            seen["examples"] = examples
+            return {"examples": examples, "failures": list(prop), "kernels": {},
+                    "skipped_for_time": 0}
+
+        monkeypatch.setattr(script, "property_cases", cases)
+        monkeypatch.setattr(script, "nki_simulate_tests", lambda *args: {"returncode": sim})
+        monkeypatch.setattr(script, "benchmarks", lambda *args: list(bench))
+        out = str(tmp_path / "n.json")
+        return script.main(["--device", "cpu", "--examples", "3", "--out", out])
+
+    assert main(bench=[{"case": "dense", **shape, "error": "RuntimeError: x"}, row]) == 0
+    assert seen["examples"] == 3
+    assert main(sim=1) == 1 and main(sim=None) == 1
+    assert main(bench=[{"case": "weight grad 2d2d", **shape, "error": "RuntimeError: x"}]) == 1
+    assert main(prop=["AssertionError: x"]) == 1
+
+
+def test_neuron_check_times_medians_after_warm_up(monkeypatch):
+    """_time: the median of --iters runs after 3 warm-ups, each run ended by synchronize (on a
+    device the op only queues work). Fake clock: the call itself takes no time and the stand-in
+    synchronize advances the clock by the call's scripted device time: warm-ups 100 s, then 1,
+    5, 2 s (min 1, mean 2.67, median 2; 0 without the synchronize)."""
+    import types
+
+    script = _neuron_check()
+    durations, clock = iter([100.0] * 3 + [1.0, 5.0, 2.0]), [0.0]
+    monkeypatch.setattr(script, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def synchronize(device, result):
+        clock[0] += result
+
+    monkeypatch.setattr(script, "synchronize", synchronize)
+    assert script._time(lambda: next(durations), torch.device("cpu"), iters=3) == 2.0
+
+
+def test_neuron_check_benchmark_rows(monkeypatch):
+    """Each benchmark row: 2*M*K*N FLOPs, x_dense = its time / the dense time, the kernels of
+    that case's calls only, and the op called on the shapes the case names (forward [M, N],
+    input gradient [M, K], weight gradient [G, K, N]; the dense baseline [M, K] @ [K, N]).
+    _time is stood in by a recorder that calls once and says 1 ms for dense, then 2, 3, 4 ms.
+    G=4, M=512, K=128, N=256, bf16 on CPU; the Dirichlet split covers all M rows."""
+    script = _neuron_check()
+    results = []
+
+    def recorder(fn, device, iters):
+        results.append(fn())
+        return (1e-3, 2e-3, 3e-3, 4e-3)[len(results) - 1]
+
+    monkeypatch.setattr(script, "_time", recorder)
+    G, M, K, N = 4, 512, 128, 256
+    rows = script.benchmarks(torch.device("cpu"), [(G, M, K, N)], iters=1)
+    assert [r["case"] for r in rows] == ["forward 2d3d", "input grad 2d3d (w transposed)",
+                                         "weight grad 2d2d"]
+    assert [tuple(r.shape) for r in results] == [(M, N), (M, N), (M, K), (G, K, N)]
+    for row, t in zip(rows, (2e-3, 3e-3, 4e-3)):
+        assert row["seconds"] == t and row["dense_seconds"] == 1e-3
+        assert row["x_dense"] == pytest.approx(t / 1e-3)
+        assert row["tflops"] == pytest.approx(2 * M * K * N / t / 1e12)
+        assert sum(row["kernels"].values()) == 1
+    offs = script._splits(M, G, None)
+    assert offs.shape == (G,) and offs[-1] == M and (offs.diff() >= 0).all()
+
+
+def test_neuron_check_property_cases_check_the_op_within_the_budget(monkeypatch):
+    """The property cases compare the op with the oracle (a stand-in op returning NaN fails them)
+    and none starts after --cases-s (counted as skipped_for_time, not as examples); the
+    nki.simulate tests are bounded too (returncode None). Float32/bf16/fp16 cases on CPU."""
+    script = _neuron_check()
+    cpu = torch.device("cpu")
+    assert script.property_cases(cpu, 2, budget_s=-1.0) == {
+        "examples": 0, "failures": [], "kernels": {}, "skipped_for_time": 2}
+    assert script.nki_simulate_tests(timeout_s=0.01)["returncode"] is None
+    op = moe_ops.grouped_mm
+    nan = lambda *args: torch.full_like(op(*args), float("nan"))  # noqa: E731
+    monkeypatch.setattr(moe_ops, "grouped_mm", nan)
+    report = script.property_cases(cpu, 5)
+    assert report["examples"] == 5 and report["failures"] and report["skipped_for_time"] == 0

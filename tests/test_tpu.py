@@ -517,3 +517,165 @@ def test_tpu_check_keeps_the_other_cases_when_one_fails(tmp_path, monkeypatch):
     assert "error" in written["benchmarks"][0]
     assert [row["op"] for row in written["benchmarks"][1:]] == ["forward", "d_input", "d_weight"]
     assert written["recompiles_on_new_group_sizes"] == 0
+    # The measured rows pass their check; the case that raised fails the run (exit status 1).
+    assert all(row[f"{impl}_correct"] is True for row in written["benchmarks"][1:]
+               for impl in ("ours", "megablox", "ragged_dot"))
+    assert [f.split(": ", 1)[1] for f in script.failures(written)] == ["the case raised"]
+
+
+def test_tpu_check_times_medians_after_warm_up(monkeypatch):
+    """_time's result is the median of the timed runs with the two warm-up runs (on a TPU: the
+    Mosaic compile) left out. A fake clock that each call advances by its scripted duration:
+    warm-ups 100 s, then 1, 5, 2 s (min 1, mean 2.67, median 2)."""
+    import types
+
+    script = _tpu_check()
+    durations, clock = iter([100.0, 100.0, 1.0, 5.0, 2.0]), [0.0]
+    monkeypatch.setattr(script, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def fn():
+        clock[0] += next(durations)
+        return jnp.zeros(())
+
+    assert script._time(fn, (), reps=3) == 2.0
+
+
+def test_tpu_check_rows_report_flops_ratios_and_the_check(tmp_path, monkeypatch):
+    """Each row of the smoke case: 2*M*K*N FLOPs for every op, TFLOP/s from the median time,
+    <impl>_vs_dense = <impl>'s time / dense's time, ours run with the tiles the row reports, a
+    dense baseline of the same FLOPs (its operands' and result's shapes), and every result
+    within REL_DIFF_LIMIT of ragged_dot. _time is stood in by a recorder that says 2, 3, 4 and
+    1 ms for ours, MegaBlox, ragged_dot and dense (nothing is timed). Interpreted on CPU: G=4,
+    M=512, K=256, N=384, bf16."""
+    script = _tpu_check()
+    timed = []
+
+    def recorder(fn, args, reps):
+        timed.append((fn, args))
+        return (2e-3, 3e-3, 4e-3, 1e-3)[(len(timed) - 1) % 4]
+
+    monkeypatch.setattr(script, "_time", recorder)
+    monkeypatch.setattr(script, "count_recompiles", lambda interpret, generation: 0)
+    report = {}
+    script.run_benchmarks(tmp_path, report, interpret=True, reps=1)
+    ((_, G, K, N, M),) = script.cases(True)
+    rows = report["benchmarks"]
+    assert [row["op"] for row in rows] == ["forward", "d_input", "d_weight"]
+    flops = 2 * M * K * N
+    # (operand shapes, result shape) of the dense baseline: [M, K] @ [K, N] and its transposes.
+    dense = {"forward": ([(M, K), (K, N)], (M, N)), "d_input": ([(M, N), (K, N)], (M, K)),
+             "d_weight": ([(M, K), (M, N)], (K, N))}
+    for i, row in enumerate(rows):
+        assert row["gflop"] == flops / 1e9
+        for impl, ms in zip(("ours", "megablox", "ragged_dot", "dense"), (2.0, 3.0, 4.0, 1.0)):
+            assert row[f"{impl}_ms"] == ms
+            assert row[f"{impl}_tflops"] == round(flops / (ms * 1e-3) / 1e12, 3)
+            if impl != "dense":
+                assert row[f"{impl}_vs_dense"] == ms
+                assert row[f"{impl}_correct"] is True
+                assert row[f"{impl}_rel_diff"] < script.REL_DIFF_LIMIT
+        fn, _ = timed[4 * i]
+        assert fn.keywords["tiles"].__dict__ == row["tiles"]
+        fn, args = timed[4 * i + 3]
+        shapes, out = dense[row["op"]]
+        assert [a.shape for a in args] == shapes and fn(*args).shape == out
+    assert script.failures(report) == []
+
+
+def test_tpu_check_fails_when_our_kernel_is_wrong_or_raises(tmp_path, monkeypatch):
+    """The exit status is 1 when ours differs from ragged_dot (here the forward scaled by 1.05:
+    a difference of ~0.05 > REL_DIFF_LIMIT; the input gradient NaN in one row) or raises (here
+    the weight gradient, standing in for a Mosaic error); it was 0, only the JSON had the
+    numbers, and the wrong kernel's time read as a result. The JSON stays strict (NaN was
+    written bare, which jq rejects). Stand-ins wrap tpu_pallas.gmm / tgmm and _time (nothing is
+    timed); the smoke case interpreted on CPU: G=4, M=512, K=256, N=384, bf16."""
+    import json
+
+    script = _tpu_check()
+    gmm = tp.gmm
+
+    def wrong_forward(*args, **kw):
+        out = gmm(*args, **kw)
+        return out.at[0].set(jnp.nan) if kw.get("transpose_b") else out * 1.05
+
+    def raising_tgmm(*args, **kw):
+        raise RuntimeError("stand-in for a Mosaic error")
+
+    monkeypatch.setattr(tp, "gmm", wrong_forward)
+    monkeypatch.setattr(tp, "tgmm", raising_tgmm)
+    monkeypatch.setattr(script, "_time", lambda fn, args, reps: 1e-3)
+    monkeypatch.setattr(script, "count_recompiles", lambda interpret, generation: 0)
+    assert script.main(["--out", str(tmp_path), "--interpret", "--no-suite", "--reps", "1"]) == 1
+    text = (tmp_path / "tpu_check.json").read_text()
+    written = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    rows = {row["op"]: row for row in written["benchmarks"]}
+    assert rows["forward"]["ours_correct"] is False and rows["forward"]["ours_rel_diff"] < 0.1
+    assert rows["forward"]["megablox_correct"] is True
+    assert rows["d_input"]["ours_correct"] is False and rows["d_input"]["ours_rel_diff"] is None
+    assert "stand-in for a Mosaic error" in rows["d_weight"]["ours_error"]
+    assert len(written["failures"]) == 3
+
+
+def test_tpu_check_failures_judge_the_whole_run():
+    """failures() (the exit status is 1 unless it is empty) on hand-made reports: the suite
+    failing or timing out (returncode None), the benchmarks raising, a case raising as a whole,
+    new group sizes recompiling each fail the run; a peer raising and a case not started for
+    the time budget do not."""
+    script = _tpu_check()
+    case = {"model": "m", "G": 4, "M": 512, "K": 256, "N": 384}
+    fine = {**case, "op": "forward", "ours_correct": True, "ours_rel_diff": 0.0,
+            "megablox_error": "RuntimeError", "ragged_dot_error": "RuntimeError"}
+    assert script.failures({"suite": {"returncode": 0, "summary": "9 passed"}, "benchmarks": [fine],
+                            "not_run": [case], "recompiles_on_new_group_sizes": 0}) == []
+    for bad in ({"suite": {"returncode": None, "summary": "timed out after 300 s"}},
+                {"suite": {"returncode": 1, "summary": "1 failed, 8 passed"}},
+                {"benchmark_error": "Traceback"}, {"benchmarks": [{**case, "error": "Traceback"}]},
+                {"recompiles_on_new_group_sizes": 2}):
+        assert len(script.failures({"benchmarks": [fine], **bad})) == 1, bad
+
+
+def test_tpu_check_rel_diff_is_relative_to_ragged_dot():
+    """The check's number is max|got - ragged_dot| / max|ragged_dot|: a result twice the
+    reference is 1.0 off (0.5 if divided by the result's own maximum). A result with a NaN row
+    is inf off: XLA's fused max reduction dropped the NaN and called it 0.0, exact. [512, 384]
+    bf16, the smoke forward's output."""
+    script = _tpu_check()
+    ref = jnp.ones((512, 384), jnp.bfloat16).at[0, 1].set(-4.0)
+    assert float(script._rel_diff_fn()(2 * ref, ref)) == 1.0
+    assert float(script._rel_diff_fn()(ref.at[7].set(jnp.nan), ref)) == float("inf")
+
+
+def test_tpu_check_budget_and_group_sizes(tmp_path, monkeypatch):
+    """No case starts once --bench-s has passed, and each is listed in not_run (not dropped);
+    the Dirichlet split gives G sizes covering all M rows (else the FLOPs would overstate the
+    work)."""
+    script = _tpu_check()
+    monkeypatch.setattr(script, "count_recompiles", lambda interpret, generation: 0)
+    report = {}
+    script.run_benchmarks(tmp_path, report, interpret=True, reps=1, budget_s=-1.0)
+    assert report["benchmarks"] == []
+    names = ("model", "G", "K", "N", "M")
+    assert report["not_run"] == [dict(zip(names, c)) for c in script.cases(True)]
+    sizes = script._split(512, 4, seed=3)
+    assert sizes.shape == (4,) and sizes.sum() == 512 and (sizes >= 0).all()
+
+
+def test_tpu_check_counts_recompiles(monkeypatch):
+    """count_recompiles hears jax's compile events, so the kernels' 0 is a measurement: stand-ins
+    for our kernels that compile anew on every call (a fresh jit) give one compilation per call
+    after the warm-up, 2 kernels x 4 partitions."""
+    script = _tpu_check()
+    fresh = lambda a, *args, **kw: jax.jit(lambda v: v + 1)(a)  # noqa: E731
+    monkeypatch.setattr(tp, "gmm", fresh)
+    monkeypatch.setattr(tp, "tgmm", fresh)
+    assert script.count_recompiles(True, "interpret") == 8
+
+
+def test_tpu_check_suite_runs_natively_and_requires_the_backend():
+    """The suite on the TPU compiles the kernels with Mosaic (MOE_OPS_TPU_NATIVE=1; interpreted
+    they would say nothing about the chip) and fails if the tpu backend is off
+    (MOE_OPS_REQUIRE_BACKENDS=tpu; else every case would pass on the reference)."""
+    script = _tpu_check()
+    cmd, env = script.suite_command()
+    assert env["MOE_OPS_TPU_NATIVE"] == "1" and env["MOE_OPS_REQUIRE_BACKENDS"] == "tpu"
+    assert cmd[-4:] == ["tests/test_properties.py", "tests/test_tpu.py", "-k", "tpu"]
