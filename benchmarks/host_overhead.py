@@ -57,15 +57,45 @@ def _call(fn, mode, a, b, offs, a_g, b_g):
 
 def _impls():
     """(name, autograd kernel to register or None, function)."""
-    out = []
+    out, before = [], _op._Autograd.active
     try:
         _op.use_autograd("cpp")
         out.append(("moe_ops (C++ autograd)", "cpp", moe_ops.grouped_mm))
     except RuntimeError as e:
         print(f"moe_ops with the C++ Autograd kernel: not here ({e})", file=sys.stderr)
+    _op.use_autograd(before)  # the probe leaves the kernel as it was; measure() selects per row
     out.append(("moe_ops (Python autograd)", "python", moe_ops.grouped_mm))
     out.append(("torch._grouped_mm", None, torch._grouped_mm))
     return out
+
+
+def measure(impls, rounds, calls, clock=time.perf_counter) -> dict:
+    """{"problem | mode": {implementation: median us per call}}: every problem and mode, in
+    ``rounds`` rounds that run each of ``impls`` (as _impls gives them) once, in alternating
+    order, as the mean of ``calls`` back-to-back calls (clock: time.perf_counter, or a test's).
+    The Autograd kernel registered before is registered again afterwards."""
+    before = _op._Autograd.active
+    results = {}
+    try:
+        for pname, G, M, K, N in PROBLEMS:
+            a, b, offs = _inputs(G, M, K, N, False)
+            a_g, b_g, _ = _inputs(G, M, K, N, True)
+            for mode in MODES:
+                times = {name: [] for name, _, _ in impls}
+                for r in range(rounds):
+                    for name, kind, fn in impls if r % 2 == 0 else impls[::-1]:
+                        if kind is not None:
+                            _op.use_autograd(kind)
+                        call = _call(fn, mode, a, b, offs, a_g, b_g)
+                        call()
+                        t0 = clock()
+                        for _ in range(calls):
+                            call()
+                        times[name].append((clock() - t0) / calls * 1e6)
+                results[f"{pname} | {mode}"] = {name: statistics.median(v) for name, v in times.items()}
+    finally:
+        _op.use_autograd(before)
+    return results
 
 
 def main(argv=None) -> int:
@@ -75,28 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    before = _op._Autograd.active
     impls = _impls()
-    results = {}
-    try:
-        for pname, G, M, K, N in PROBLEMS:
-            a, b, offs = _inputs(G, M, K, N, False)
-            a_g, b_g, _ = _inputs(G, M, K, N, True)
-            for mode in MODES:
-                times = {name: [] for name, _, _ in impls}
-                for r in range(args.rounds):
-                    for name, kind, fn in impls if r % 2 == 0 else impls[::-1]:
-                        if kind is not None:
-                            _op.use_autograd(kind)
-                        call = _call(fn, mode, a, b, offs, a_g, b_g)
-                        call()
-                        t0 = time.perf_counter()
-                        for _ in range(args.calls):
-                            call()
-                        times[name].append((time.perf_counter() - t0) / args.calls * 1e6)
-                results[f"{pname} | {mode}"] = {name: statistics.median(v) for name, v in times.items()}
-    finally:
-        _op.use_autograd(before)
+    results = measure(impls, args.rounds, args.calls)
     names = [name for name, _, _ in impls]
     head = ["problem", "mode"] + names
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))

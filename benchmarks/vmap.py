@@ -3,7 +3,10 @@
     python benchmarks/vmap.py [--threads 2] [--rounds 7] [--out DIR]
 
 The batching rule (moe_ops/_batching.py) folds a batch into one call of the op; without it
-(``moe_ops._op.use_batching_rule(False)``) torch calls the op once per batch element. Both run
+(``moe_ops._op.use_batching_rule(False)``) torch calls the op once per batch element. Each
+case's result with the rule is checked against the fallback's before either is timed (a rule
+that computed less, or NaN, would otherwise be timed as a speed-up), and the op calls one run
+of each makes are counted (JSON ``op_calls``: the rule folds the batch into fewer). Both run
 in one process, in rounds that time each way once, in alternating order; a way's time in a
 round is the mean of back-to-back calls for at least --min-s seconds. The table gives the
 medians and the fallback / rule ratio. CPU tensors, fp32. Writes ``vmap.json`` to --out.
@@ -36,6 +39,8 @@ from torch.func import grad, jacfwd, jacrev, vmap  # noqa: E402
 import moe_ops  # noqa: E402
 from moe_ops import _op  # noqa: E402
 
+WAYS = ("rule", "fallback")
+
 
 def _cases():
     gen = torch.Generator().manual_seed(0)
@@ -60,41 +65,71 @@ def _cases():
     }
 
 
-def _time(fn, min_s):
+def _time(fn, min_s, clock=time.perf_counter):
+    """Seconds per call of fn: the mean of back-to-back calls for at least min_s (clock: a test's)."""
     fn()
-    start, n = time.perf_counter(), 0
+    start, n = clock(), 0
     while True:
         fn()
         n += 1
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         if elapsed >= min_s:
             return elapsed / n
 
 
-def main():
+def _op_calls() -> int:
+    return sum(moe_ops.kernel_counts().values())
+
+
+def _use(way: str) -> None:
+    _op.use_batching_rule(way == "rule")
+
+
+def compare(fn, rounds: int, min_s: float, clock=time.perf_counter) -> dict:
+    """One case: its result with the batching rule checked against torch's fallback (NaN fails)
+    before either is timed, the op calls one run of each makes (the rule folds the batch: fewer),
+    then ``rounds`` rounds timing each way once in alternating order; medians, in ms. The rule is
+    registered again afterwards."""
+    try:
+        result, calls = {}, {}
+        for way in WAYS:
+            _use(way)
+            before = _op_calls()
+            result[way] = fn()
+            calls[way] = _op_calls() - before
+        ref = result["fallback"].double()
+        err = (result["rule"].double() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+        if not err <= 1e-4:  # not '>': NaN must fail
+            raise RuntimeError(f"the batching rule's result differs from torch's fallback by {err:.2e}")
+        times = {way: [] for way in WAYS}
+        for r in range(rounds):
+            for way in WAYS if r % 2 == 0 else WAYS[::-1]:
+                _use(way)
+                times[way].append(_time(fn, min_s, clock))
+    finally:
+        _op.use_batching_rule(True)
+    rule, fallback = statistics.median(times["rule"]), statistics.median(times["fallback"])
+    return {"rule_ms": rule * 1e3, "fallback_ms": fallback * 1e3, "fallback_over_rule": fallback / rule,
+            "op_calls": calls}
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--min-s", type=float, default=0.3, help="seconds of calls per timing")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     # torch's fallback prints a "performance drop" warning to stderr on every call; the printing
     # is not what is measured here.
     torch._C._functorch._set_vmap_fallback_warning_enabled(False)
     results = []
     for name, fn in _cases().items():
-        times = {"rule": [], "fallback": []}
-        for r in range(args.rounds):
-            for way in (("rule", "fallback") if r % 2 == 0 else ("fallback", "rule")):
-                _op.use_batching_rule(way == "rule")
-                times[way].append(_time(fn, args.min_s))
-        _op.use_batching_rule(True)
-        rule, fallback = statistics.median(times["rule"]), statistics.median(times["fallback"])
-        results.append({"case": name, "rule_ms": rule * 1e3, "fallback_ms": fallback * 1e3,
-                        "fallback_over_rule": fallback / rule})
-        print(f"{name:28s} rule {rule * 1e3:9.3f} ms   fallback {fallback * 1e3:9.3f} ms   x{fallback / rule:6.2f}",
-              flush=True)
+        row = {"case": name, **compare(fn, args.rounds, args.min_s)}
+        results.append(row)
+        print(f"{name:28s} rule {row['rule_ms']:9.3f} ms   fallback {row['fallback_ms']:9.3f} ms   "
+              f"x{row['fallback_over_rule']:6.2f}", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"torch": torch.__version__, "threads": args.threads, "rounds": args.rounds,

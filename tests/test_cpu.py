@@ -2162,3 +2162,172 @@ def test_a_long_weight_gradient_leaves_no_scratch_behind(level):
     out = run((a, b, torch.tensor([K]), None, None), level)
     assert _resident_mib() - before < 64, f"{_resident_mib() - before} MiB kept after the call"
     assert out.item() == K / 8  # exact: 2^17, every partial sum a multiple of 1/8 below 2^24
+
+
+class _Clock:
+    """A test's clock for the benchmark scripts: time moves only when a wrapped peer runs, by the
+    cost that the test gives that call, so medians and units are exact."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.mark.outside_cpp
+def test_decode_benchmark_rows_are_what_they_say(monkeypatch):
+    """decode.bench_model on fp32 weights, G=8, top-2, 2 tokens, K=N=64, 5 rounds, both layouts,
+    with every peer wrapped: the check call comes first; each timed round routes anew and gives
+    every peer the same routing, in alternating order; the [G, N, K] row passes k-contiguous
+    weights and the [G, K, N] one n-contiguous; the weights read per call are the distinct
+    experts' (4 bytes each); us, GB/s and the ratio to moe_ops are the medians of the calls'
+    times (given here by the clock: 1, 2, 6, 1, 2 x the peer's factor)."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import decode
+
+    clock, seen = _Clock(), []
+    factor = {"moe_ops": 1.0, "torch._grouped_mm": 2.0, "loop of torch.mm": 3.0}
+    calls = dict.fromkeys(factor, 0)
+    for peer, fn in list(decode.PEERS.items()):
+        def wrapped(a, b, offs, peer=peer, fn=fn):
+            calls[peer] += 1
+            if calls[peer] > 1:  # the first call is the check, untimed
+                seen.append((peer, offs.clone(), b.stride()))
+                clock.t += factor[peer] * (1, 2, 6)[(calls[peer] - 2) % 3] * 1e-6
+            return fn(a, b, offs)
+        monkeypatch.setitem(decode.PEERS, peer, wrapped)
+    for layout in ("gnk", "gkn"):
+        seen.clear()
+        calls.update(dict.fromkeys(factor, 0))
+        row = decode.bench_model("tiny", 8, 2, 64, 64, torch.float32, 2, 5, 1 << 20, layout,
+                                 clock=clock)
+        assert row["not_run"] == {} and (row["K"], row["N"]) == (64, 64)
+        names = list(factor)
+        rounds = [seen[i:i + 3] for i in range(0, len(seen), 3)]
+        assert len(rounds) == 5
+        for r, calls_r in enumerate(rounds):
+            assert [c[0] for c in calls_r] == (names if r % 2 == 0 else names[::-1])
+            assert all(torch.equal(c[1], calls_r[0][1]) for c in calls_r)  # one routing per round
+            assert all(c[2][1 if layout == "gnk" else 2] == 1 for c in calls_r)
+        offs = [c[0][1] for c in rounds]
+        assert any(not torch.equal(o, offs[0]) for o in offs)  # routed anew, not cache-warm
+        distinct = [int((torch.diff(o, prepend=o.new_zeros(1)) > 0).sum()) for o in offs]
+        assert all(2 <= d <= 4 for d in distinct) and all(int(o[-1]) == 4 for o in offs)
+        read = sum(distinct) / len(distinct) * 64 * 64 * 4
+        assert row["expert_bytes_per_call"] == pytest.approx(read)
+        # Medians of (1, 2, 6, 1, 2) x factor: 2 x factor us.
+        for peer, f in factor.items():
+            assert row["us"][peer] == pytest.approx(2 * f)
+            assert row["GB_per_s"][peer] == pytest.approx(read / (2 * f * 1e-6) / 1e9)
+            assert row["vs_moe_ops"][peer] == pytest.approx(f)
+
+
+@pytest.mark.outside_cpp
+def test_decode_benchmark_scales_to_the_budget_and_refuses_a_wrong_result(monkeypatch):
+    """decode.bench_model: a model over --weight-budget-mib (G=8, K=N=64 bf16: 64 KiB, budget
+    16 KiB) is timed with hidden and ffn halved; an fp32 peer 1e-3 off the loop of torch.mm
+    (beyond the 1e-4 of the check) is refused before anything is timed."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import decode
+
+    row = decode.bench_model("tiny", 8, 2, 64, 64, torch.bfloat16, 1, 1, 16 << 10, "gnk")
+    assert (row["K"], row["N"], row["model"]) == (32, 32, "tiny /2")
+    monkeypatch.setitem(decode.PEERS, "moe_ops",
+                        lambda a, b, offs: decode._loop(a, b, offs) * (1 + 1e-3))
+    with pytest.raises(RuntimeError, match="moe_ops differs"):
+        decode.bench_model("tiny", 4, 2, 64, 64, torch.float32, 8, 1, 1 << 20, "gkn")
+
+
+@pytest.mark.outside_cpp
+def test_host_overhead_benchmark_rows_are_what_they_say():
+    """host_overhead.measure with the implementations of _impls, each wrapped: the C++ row runs
+    with the C++ Autograd kernel and the Python row with the Python one; the order alternates by
+    round; each figure is the median over 3 rounds of the mean us per call (the clock gives each
+    call 1, 2 or 6 us by round: 2 us); the kernel registered before is registered afterwards.
+    _call's modes: no requires_grad, requires_grad, and both gradients. fp32, CPU."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import host_overhead
+    finally:
+        sys.path.pop(0)
+    from moe_ops import _op
+
+    before = _op._Autograd.active
+    clock, log = _Clock(), []
+
+    def wrap(name, fn):
+        def call(a, b, offs):
+            n = sum(1 for entry in log if entry[0] == name)
+            log.append((name, _op._Autograd.active))
+            if n % 3:  # 1 warm-up + 2 timed calls per round; 3 rounds per problem and mode
+                clock.t += (1, 2, 6)[(n // 3) % 3] * 1e-6
+            return fn(a, b, offs=offs)
+        return call
+
+    impls = [(name, kind, wrap(name, fn)) for name, kind, fn in host_overhead._impls()]
+    assert _op._Autograd.active == before
+    res = host_overhead.measure(impls, 3, 2, clock=clock)
+    assert _op._Autograd.active == before
+    assert len(res) == 6
+    for row in res.values():
+        assert row == pytest.approx(dict.fromkeys(row, 2.0))
+    for name, active in log:
+        if "C++" in name:
+            assert active == "cpp", name
+        elif "Python" in name:
+            assert active == "python", name
+    order = [name for i, (name, _) in enumerate(log) if i % 3 == 0][:2 * len(impls)]
+    names = [name for name, _, _ in impls]
+    assert order == names + names[::-1]
+    a, b, offs = host_overhead._inputs(2, 8, 16, 8, False)
+    a_g, b_g, _ = host_overhead._inputs(2, 8, 16, 8, True)
+    got = []
+
+    def rec(x, w, offs):
+        got.append((x.requires_grad, w.requires_grad))
+        return torch._grouped_mm(x, w, offs=offs)
+
+    for mode in host_overhead.MODES:
+        out = host_overhead._call(rec, mode, a, b, offs, a_g, b_g)()
+        if mode == "forward + backward":
+            assert [g.shape for g in out] == [a.shape, b.shape]
+    assert got == [(False, False), (True, True), (True, True)]
+
+
+@pytest.mark.outside_cpp
+def test_host_overhead_benchmark_prints_ratios_to_torch(tmp_path, capsys):
+    """host_overhead.main (1 round of 1 call): each printed cell is the JSON's us per call and
+    its ratio to torch._grouped_mm's (slower: > 1)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import host_overhead
+    finally:
+        sys.path.pop(0)
+    assert host_overhead.main(["--rounds", "1", "--calls", "1", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    timed = json.loads((tmp_path / "host_overhead.json").read_text())["us_per_call"]
+    for key, row in timed.items():
+        base = row["torch._grouped_mm"]
+        line = next(line for line in text.splitlines() if line.startswith(f"| {key} |"))
+        for name, us in row.items():
+            cell = f"{us:.1f} us" + ("" if name == "torch._grouped_mm" else f" (x{us / base:.1f})")
+            assert cell in line, (name, line)
+
+
+@pytest.mark.outside_cpp
+def test_schemes_benchmark_ratios(monkeypatch):
+    """schemes.time_shape on "quick G4" (bf16, G=4, M=96, K=64, N=80), 2 rounds: each scheme's
+    ratio to the dense roofline and each swapped scheme's time over the direct one's are the
+    quotients of their medians (no timing assertions)."""
+    if torch.ops.moe_cpu.machine() != "avx512_bf16":
+        pytest.skip(f"the schemes exist only on avx512_bf16 (here: {torch.ops.moe_cpu.machine()})")
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import schemes
+    from cases import QUICK_SHAPES
+
+    row = schemes.time_shape(QUICK_SHAPES[0], 2, None, False, 0)
+    med = row["median_ms"]
+    assert set(med) == {schemes.DENSE, *schemes.SCHEMES}
+    assert row["ratio"] == {n: med[n] / med[schemes.DENSE] for n in schemes.SCHEMES}
+    assert row["over_direct"] == {n: med[n] / med["direct"] for n in ("swapped", "swapped512")}

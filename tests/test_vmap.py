@@ -335,3 +335,72 @@ def test_compiled_vmap_with_both_matrices_batched(layout):
     f = vmap(lambda x, y: moe_ops.grouped_mm(x, y, offs))
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(a, bs)
     torch.testing.assert_close(got, torch.stack([oracle(a[s], bs[s], offs) for s in range(3)]))
+
+
+def _vmap_bench():
+    import importlib
+    import os
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(repo, "benchmarks"))
+    try:
+        return importlib.import_module("vmap")  # benchmarks/vmap.py
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.mark.outside_cpp
+def test_vmap_benchmark_times_the_rule_against_the_fallback():
+    """benchmarks/vmap.py's compare, 3 rounds on "vmap forward (32 samples)" (fp32, G=8,
+    K=N=64): the 'rule' column runs the batching rule (one call of the op against 32), the ways
+    alternate by round, each figure is the median of the mean seconds per call in ms (the clock
+    here: 1, 2, 6 ms for the rule's rounds, 10, 20, 60 for the fallback's) and the ratio is
+    fallback / rule; the rule is registered afterwards. _time divides by the calls."""
+    from moe_ops import _op
+
+    bench = _vmap_bench()
+    fn = bench._cases()["vmap forward (32 samples)"]
+    ways = []
+    times = iter((1, 10, 20, 2, 6, 60))  # rounds: rule, fallback | fallback, rule | rule, fallback
+    t = [0.0]
+
+    def clock():
+        return t[0]
+
+    def timed():
+        out = fn()
+        ways.append(bool(_op._batching_lib))
+        if len(ways) > 2 and len(ways) % 2 == 0:  # after the check's 2 calls, each _time's 2nd call
+            t[0] += next(times) * 1e-3
+        return out
+
+    row = bench.compare(timed, 3, 0.0, clock=clock)
+    assert _op._batching_lib
+    assert row["op_calls"] == {"rule": 1, "fallback": 32}
+    assert ways[2::2] == [True, False, False, True, True, False]
+    assert row["rule_ms"] == pytest.approx(2.0) and row["fallback_ms"] == pytest.approx(20.0)
+    assert row["fallback_over_rule"] == pytest.approx(10.0)
+    ticks = iter(range(100))
+    assert bench._time(lambda: None, 3, clock=lambda: next(ticks)) == 1.0
+
+
+@pytest.mark.outside_cpp
+def test_vmap_benchmark_refuses_a_rule_that_differs(tmp_path):
+    """compare checks the rule's result against the fallback's before timing (a NaN under the
+    rule fails); main (1 round, no minimum time) writes all six cases, the rule folding each
+    into fewer calls of the op than the fallback, and leaves the rule registered."""
+    from moe_ops import _op
+
+    bench = _vmap_bench()
+    with pytest.raises(RuntimeError, match="differs from torch's fallback"):
+        bench.compare(lambda: torch.full((3,), float("nan") if _op._batching_lib else 1.0), 1, 0.0)
+    assert _op._batching_lib
+    threads = str(torch.get_num_threads())
+    bench.main(["--rounds", "1", "--min-s", "0", "--threads", threads, "--out", str(tmp_path)])
+    import json
+
+    rows = json.loads((tmp_path / "vmap.json").read_text())["results"]
+    assert [r["case"] for r in rows] == list(bench._cases())
+    assert all(r["op_calls"]["rule"] < r["op_calls"]["fallback"] for r in rows), rows
+    assert _op._batching_lib
