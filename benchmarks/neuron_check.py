@@ -16,11 +16,13 @@ Steps, each recorded in the JSON:
    tests on AWS's nki.simulate (``pytest tests/test_neuron_nki.py -m nki_simulate``);
 3. forward (2D x 3D), input gradient (2D x 3D, transposed weights) and weight gradient (2D x 2D)
    timed against a dense matmul with the same FLOPs on the same device (medians of --iters runs
-   after warm-up); group sizes from a Dirichlet(1) split.
+   after warm-up); group sizes from a Dirichlet(1) split. Each result is first checked against
+   ``moe_ops.reference`` on the device (max error / max |reference| <= 2e-2, not finite fails);
+   one that fails is not timed, and is recorded as an error.
 The JSON (default $OUT/neuron_check.json when $OUT is set) is rewritten after every step, a step
 that raises is recorded there, and the steps are bounded (--cases-s, --simulate-s). The exit status
 is 1 when a step raised, a property case failed, the nki.simulate tests failed or timed out, or
-a timed grouped matmul raised (the dense baseline raising is recorded only).
+a timed grouped matmul raised or failed its check (the dense baseline raising is recorded only).
 """
 
 from __future__ import annotations
@@ -156,6 +158,19 @@ def _time(fn, device, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+# Largest max|got - reference| / max|reference| that passes: bf16 results of fp32 sums, a few
+# bf16 roundings (2^-8 each) apart; gpu_check.py and tpu_check.py use the same bound.
+REL_ERR_LIMIT = 2e-2
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref| in fp32, on the tensors' device; NaN if got is not finite."""
+    got, ref = got.float(), ref.float()
+    if not bool(torch.isfinite(got).all()):
+        return float("nan")
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
 def benchmarks(device, shapes, iters: int, dtype=torch.bfloat16) -> list:
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -167,19 +182,27 @@ def benchmarks(device, shapes, iters: int, dtype=torch.bfloat16) -> list:
         dy = torch.randn(M, N, dtype=dtype).to(device)
         dense_a, dense_b = torch.randn(M, K, dtype=dtype).to(device), torch.randn(K, N, dtype=dtype).to(device)
         flops = 2.0 * M * K * N
-        cases = {
-            "forward 2d3d": lambda: moe_ops.grouped_mm(x, w, offs),
-            "input grad 2d3d (w transposed)": lambda: moe_ops.grouped_mm(dy, w.transpose(1, 2), offs),
-            "weight grad 2d2d": lambda: moe_ops.grouped_mm(x.t(), dy, offs),
+        cases = {  # name: the op's arguments
+            "forward 2d3d": (x, w, offs),
+            "input grad 2d3d (w transposed)": (dy, w.transpose(1, 2), offs),
+            "weight grad 2d2d": (x.t(), dy, offs),
         }
         try:  # the baseline failing must not cost the grouped rows
             dense = _time(lambda: torch.matmul(dense_a, dense_b), device, iters)
         except Exception as e:  # noqa: BLE001
             dense = None
             rows.append({"case": "dense", "G": G, "M": M, "K": K, "N": N, "error": f"{type(e).__name__}: {e}"})
-        for name, fn in cases.items():
-            moe_ops.reset_kernel_counts()
+        for name, args in cases.items():
+            def fn(args=args):
+                return moe_ops.grouped_mm(*args)
+
             try:
+                # Checked against the reference before it is timed (the property cases check
+                # small shapes only): a wrong result at these sizes is a failure, not a time.
+                err = rel_err(fn(), moe_ops.reference.grouped_mm(*args))
+                if not err <= REL_ERR_LIMIT:  # not '>': NaN must fail
+                    raise AssertionError(f"wrong result: max error {err:.2e} of the reference's largest value")
+                moe_ops.reset_kernel_counts()
                 t = _time(fn, device, iters)
                 rows.append({"case": name, "G": G, "M": M, "K": K, "N": N, "dtype": str(dtype), "seconds": t,
                              "dense_seconds": dense, "x_dense": t / dense if dense else None,
@@ -240,15 +263,16 @@ def main(argv=None):
     _step(result, "benchmarks", args.out, lambda: benchmarks(device, shapes, iters))
     p = result["property_cases"]
     failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
-    # Before, these two left the exit status 0 (only the JSON said so): the nki.simulate tests
-    # failing or timing out (returncode None), and the op raising in a benchmark.
+    # Before, these left the exit status 0 (only the JSON said so): the nki.simulate tests
+    # failing or timing out (returncode None), and the op raising (or, now checked, being wrong)
+    # in a benchmark.
     sim_rc = result["nki_simulate_tests"].get("returncode")
     bench = result["benchmarks"] if isinstance(result["benchmarks"], list) else []
     raised = [f"{r['case']} G={r['G']} M={r['M']} K={r['K']} N={r['N']}" for r in bench
               if r.get("case") != "dense" and "error" in r]
     print(f"{device}: {p.get('examples')} property cases, {len(p.get('failures', []))} failures, kernels "
           f"{p.get('kernels')}; nki.simulate tests rc={result['nki_simulate_tests'].get('returncode')}; "
-          f"steps that raised: {failed}; benchmarks that raised: {raised}; wrote {args.out}")
+          f"steps that raised: {failed}; benchmarks that raised or were wrong: {raised}; wrote {args.out}")
     for r in result["benchmarks"] if isinstance(result["benchmarks"], list) else []:
         print(f"  {r['case']:32s} G={r['G']} M={r['M']} K={r['K']} N={r['N']}: "
               + (f"{r['seconds'] * 1e3:.2f} ms, x{r['x_dense'] or float('nan'):.2f} dense, "

@@ -250,6 +250,24 @@ def test_neuron_check_benchmark_rows(monkeypatch):
     assert offs.shape == (G,) and offs[-1] == M and (offs.diff() >= 0).all()
 
 
+def test_neuron_check_benchmarks_refuse_a_wrong_result(monkeypatch):
+    """A timed case's result is checked against the reference first: an error of 3% of the
+    largest value, or a NaN, is recorded as an error and not timed (it fails the run); 1% passes.
+    G=4, M=512, K=128, N=256, bf16 on CPU; the op stood in by the reference times a factor."""
+    import moe_ops
+
+    script = _neuron_check()
+    monkeypatch.setattr(script, "_time", lambda fn, device, iters: 1e-3)
+    real = moe_ops.reference.grouped_mm
+    for factor, wrong in ((1.01, False), (1.03, True), (float("nan"), True)):
+        monkeypatch.setattr(moe_ops, "grouped_mm", lambda *a, f=factor: real(*a) * f)
+        rows = script.benchmarks(torch.device("cpu"), [(4, 512, 128, 256)], iters=1)
+        grouped = [r for r in rows if r["case"] != "dense"]
+        assert len(grouped) == 3
+        for row in grouped:
+            assert ("seconds" not in row and "wrong result" in row["error"]) == wrong, (factor, row)
+
+
 def test_neuron_check_property_cases_check_the_op_within_the_budget(monkeypatch):
     """The property cases compare the op with the oracle (a stand-in op returning NaN fails them)
     and none starts after --cases-s (counted as skipped_for_time, not as examples); the
