@@ -37,8 +37,8 @@ import moe_ops  # noqa: E402
 from cases import ISSUE_SHAPES, QUICK_SHAPES, Shape, dirichlet_offs, make_tensors, model_shapes  # noqa: E402
 from devices import tensor_pages  # noqa: E402
 
-SCHEMES = {"direct": 0, "swapped": 1, "swapped512": 2}
-DEFAULT = {0: "direct", 1: "swapped", 2: "swapped512"}
+SCHEMES = {"direct": 0, "swapped": 1, "swapped512": 2}  # the op's bf16_scheme numbers
+DEFAULT = {number: name for name, number in SCHEMES.items()}
 DENSE = "dense torch.mm"
 
 

@@ -2316,6 +2316,19 @@ def test_host_overhead_benchmark_prints_ratios_to_torch(tmp_path, capsys):
 
 
 @pytest.mark.outside_cpp
+def test_schemes_benchmark_names_the_schemes_as_the_op_numbers_them(monkeypatch):
+    """schemes.py labels each bf16_scheme number as these tests do (LEVELS: 0 direct, 1 swapped
+    in 256-bit lanes, 2 in 512-bit lanes; test_bf16_scheme_follows_the_cpu_family_and_is_reported
+    ties 1 and 2 to the lane widths the op reports): a swapped pair of labels would publish one
+    scheme's times as the other's, with results that agree within the tolerance either way."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import schemes
+
+    assert schemes.SCHEMES == {"direct": LEVELS["avx512_bf16"][1], "swapped": LEVELS["avx512_bf16_swapped"][1],
+                               "swapped512": LEVELS["avx512_bf16_swapped512"][1]}
+
+
+@pytest.mark.outside_cpp
 def test_schemes_benchmark_ratios(monkeypatch):
     """schemes.time_shape on "quick G4" (bf16, G=4, M=96, K=64, N=80), 2 rounds: each scheme's
     ratio to the dense roofline and each swapped scheme's time over the direct one's are the
