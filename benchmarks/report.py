@@ -52,6 +52,19 @@ def write_json(path: str, meta: dict, rows: list) -> None:
         json.dump({"meta": meta, "results": rows}, f, indent=1)
 
 
+def bars(rows: list) -> tuple:
+    """What plot draws: ({(mode, dtype): (shapes, {peer: [ratio to the dense roofline per shape,
+    NaN where the peer has none]})}, the peers drawn), panels forward first."""
+    keys = sorted({(r["mode"], r["dtype"]) for r in rows}, key=lambda x: (x[0] != "fwd", x[0], x[1]))
+    peers = [p for p in ORDER if p != DENSE and any("ratio" in r["peers"].get(p, {}) for r in rows)]
+    panels = {}
+    for mode, dtype in keys:
+        sel = [r for r in rows if r["mode"] == mode and r["dtype"] == dtype]
+        panels[(mode, dtype)] = ([r["shape"] for r in sel],
+                                 {p: [r["peers"].get(p, {}).get("ratio", float("nan")) for r in sel] for p in peers})
+    return panels, peers
+
+
 def plot(path: str, rows: list, title: str) -> str:
     """Bar chart of the ratio to the dense roofline, one panel per (mode, dtype). Returns "" or
     why no plot was drawn."""
@@ -62,24 +75,21 @@ def plot(path: str, rows: list, title: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib not installed (pip install -r benchmarks/requirements.txt)"
-    panels = sorted({(r["mode"], r["dtype"]) for r in rows}, key=lambda x: (x[0] != "fwd", x[0], x[1]))
-    peers = [p for p in ORDER if p != DENSE and any("ratio" in r["peers"].get(p, {}) for r in rows)]
+    panels, peers = bars(rows)
     cols = 2
     nrows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(13, 3.1 * nrows), squeeze=False)
     colors = plt.get_cmap("tab10")
-    for ax, (mode, dtype) in zip(axes.flat, panels):
-        sel = [r for r in rows if r["mode"] == mode and r["dtype"] == dtype]
+    for ax, ((mode, dtype), (shapes, heights)) in zip(axes.flat, panels.items()):
         width = 0.8 / max(1, len(peers))
         for i, peer in enumerate(peers):
-            xs = [j + (i - (len(peers) - 1) / 2) * width for j in range(len(sel))]
-            ys = [r["peers"].get(peer, {}).get("ratio", float("nan")) for r in sel]
-            ax.bar(xs, ys, width, label=peer, color=colors(i))
+            xs = [j + (i - (len(peers) - 1) / 2) * width for j in range(len(shapes))]
+            ax.bar(xs, heights[peer], width, label=peer, color=colors(i))
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_yscale("log")
         ax.set_title(f"{mode}, {dtype}", fontsize=9)
-        ax.set_xticks(range(len(sel)))
-        ax.set_xticklabels([r["shape"] for r in sel], rotation=25, ha="right", fontsize=7)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(shapes, rotation=25, ha="right", fontsize=7)
         ax.tick_params(axis="y", labelsize=7)
         ax.set_ylabel("time / dense mm", fontsize=8)
     for ax in list(axes.flat)[len(panels):]:

@@ -2109,6 +2109,36 @@ def test_benchmark_report_table_and_json(monkeypatch, tmp_path):
 
 
 @pytest.mark.outside_cpp
+def test_benchmark_plot_draws_ratios(monkeypatch, tmp_path):
+    """report.bars, what report.plot draws: one panel per (mode, dtype), forward first; per peer
+    but the dense roofline, its ratio to the dense median per shape (NaN where it did not run),
+    not its time. Made-up rows; the plot itself is drawn where matplotlib is installed."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import importlib.util
+    import math
+
+    import report
+    from peers import DENSE, GROUPED_MM, OP
+
+    def row(shape, mode, ours, gmm):
+        peers = {DENSE: {"median_ms": 2.0, "ratio": 1.0}, OP: {"median_ms": 2.0 * ours, "ratio": ours},
+                 GROUPED_MM: {"median_ms": 2.0 * gmm, "ratio": gmm} if gmm else {"note": "refused"}}
+        return dict(shape=shape, mode=mode, dtype="bf16", peers=peers)
+
+    rows = [row("s", "wgrad", 1.5, 3.0), row("s", "fwd", 1.2, None), row("t", "fwd", 1.1, 2.0)]
+    panels, peers = report.bars(rows)
+    assert peers == [p for p in (OP, GROUPED_MM) if p in peers] and set(peers) == {OP, GROUPED_MM}
+    assert list(panels) == [("fwd", "bf16"), ("wgrad", "bf16")]
+    shapes, heights = panels[("fwd", "bf16")]
+    assert shapes == ["s", "t"] and heights[OP] == [1.2, 1.1]
+    assert math.isnan(heights[GROUPED_MM][0]) and heights[GROUPED_MM][1] == 2.0
+    assert panels[("wgrad", "bf16")][1] == {OP: [1.5], GROUPED_MM: [3.0]}
+    if importlib.util.find_spec("matplotlib") is not None:  # (benchmarks/requirements.txt)
+        assert report.plot(str(tmp_path / "p.png"), rows, "title") == ""
+        assert (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.outside_cpp
 def test_benchmark_model_shapes_fit_the_budget(monkeypatch):
     """cases.model_shapes: M is tokens x top-k; hidden and ffn are divided by the smallest power
     of two that fits the G bf16 expert matrices into the budget (here 8 MiB, 64 tokens)."""
