@@ -344,14 +344,18 @@ def _rel_err(x, ref, chunk: int = 1 << 26) -> float:
     """max |x - ref| / max |ref|, in fp32 a chunk of elements at a time: DeepSeek-V3's weight
     gradient is 3.8e9 elements (7 GiB in bf16), and four whole fp32 copies of it did not fit
     beside the operands on an 80 GB GPU."""
+    import torch
+
     x, ref = x.detach().reshape(-1), ref.detach().reshape(-1)
     err = top = 0.0
     for s in range(0, x.numel(), chunk):
         xs, rs = x[s:s + chunk].float(), ref[s:s + chunk].float()
         e = float((xs - rs).abs().max())
-        if math.isnan(e):
-            # A NaN in either: inf, so that every threshold test (< or >) calls it wrong. Python's
-            # max(err, nan) keeps err, which reported a result full of NaN as exact.
+        # A NaN in either: inf, so that every threshold test (< or >) calls it wrong. Python's
+        # max(err, nan) keeps err, which reported a result full of NaN as exact; and x is asked
+        # for finiteness itself, since XLA's fused max reduction drops NaN (tpu_check.py saw a
+        # result with NaN rows come out exact) and neuron_check.py calls this on XLA devices.
+        if math.isnan(e) or not bool(torch.isfinite(xs).all()):
             return math.inf
         err = max(err, e)
         top = max(top, float(rs.abs().max()))

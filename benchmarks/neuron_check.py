@@ -42,8 +42,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import moe_ops  # noqa: E402
+from gpu_check import _rel_err  # noqa: E402  (device-agnostic, chunked; gpu_tile_sweep.py's too)
 from moe_ops import testing  # noqa: E402
 
 SHAPES = [  # (G, M, K, N): the CPU baseline cases of shared/notes/toolchains.md, and a large-expert one
@@ -163,14 +165,6 @@ def _time(fn, device, iters: int, warmup: int = 3) -> float:
 REL_ERR_LIMIT = 2e-2
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |got - ref| / max |ref| in fp32, on the tensors' device; NaN if got is not finite."""
-    got, ref = got.float(), ref.float()
-    if not bool(torch.isfinite(got).all()):
-        return float("nan")
-    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
 def benchmarks(device, shapes, iters: int, dtype=torch.bfloat16) -> list:
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -199,7 +193,7 @@ def benchmarks(device, shapes, iters: int, dtype=torch.bfloat16) -> list:
             try:
                 # Checked against the reference before it is timed (the property cases check
                 # small shapes only): a wrong result at these sizes is a failure, not a time.
-                err = rel_err(fn(), moe_ops.reference.grouped_mm(*args))
+                err = _rel_err(fn(), moe_ops.reference.grouped_mm(*args))  # inf if not finite
                 if not err <= REL_ERR_LIMIT:  # not '>': NaN must fail
                     raise AssertionError(f"wrong result: max error {err:.2e} of the reference's largest value")
                 moe_ops.reset_kernel_counts()
@@ -271,9 +265,9 @@ def main(argv=None):
     raised = [f"{r['case']} G={r['G']} M={r['M']} K={r['K']} N={r['N']}" for r in bench
               if r.get("case") != "dense" and "error" in r]
     print(f"{device}: {p.get('examples')} property cases, {len(p.get('failures', []))} failures, kernels "
-          f"{p.get('kernels')}; nki.simulate tests rc={result['nki_simulate_tests'].get('returncode')}; "
+          f"{p.get('kernels')}; nki.simulate tests rc={sim_rc}; "
           f"steps that raised: {failed}; benchmarks that raised or were wrong: {raised}; wrote {args.out}")
-    for r in result["benchmarks"] if isinstance(result["benchmarks"], list) else []:
+    for r in bench:
         print(f"  {r['case']:32s} G={r['G']} M={r['M']} K={r['K']} N={r['N']}: "
               + (f"{r['seconds'] * 1e3:.2f} ms, x{r['x_dense'] or float('nan'):.2f} dense, "
                  f"{r['kernels']}" if "seconds" in r
