@@ -21,8 +21,10 @@ Steps, each recorded in the JSON:
    one that fails is not timed, and is recorded as an error.
 The JSON (default $OUT/neuron_check.json when $OUT is set) is rewritten after every step, a step
 that raises is recorded there, and the steps are bounded (--cases-s, --simulate-s). The exit status
-is 1 when a step raised, a property case failed, the nki.simulate tests failed or timed out, or
-a timed grouped matmul raised or failed its check (the dense baseline raising is recorded only).
+is 1 when a step raised, a property case failed, the nki.simulate tests failed or timed out,
+a timed grouped matmul raised or failed its check (the dense baseline raising is recorded only),
+or, on a Neuron device, a timed case was served by anything but a Neuron kernel (NKI or the
+block-wise path): then its times are not moe_ops' Neuron kernels' (JSON "not_on_neuron").
 """
 
 from __future__ import annotations
@@ -164,6 +166,10 @@ def _time(fn, device, iters: int, warmup: int = 3) -> float:
 # bf16 roundings (2^-8 each) apart; gpu_check.py and tpu_check.py use the same bound.
 REL_ERR_LIMIT = 2e-2
 
+# The kernel_counts names of the Neuron backend's kernels (moe_ops/backends/neuron.py): NKI and
+# the block-wise path, on TorchNeuron's device and on torch-neuronx's XLA one.
+NEURON_KERNELS = ("neuron:", "xla:neuron-")
+
 
 def benchmarks(device, shapes, iters: int, dtype=torch.bfloat16) -> list:
     gen = torch.Generator().manual_seed(0)
@@ -264,15 +270,22 @@ def main(argv=None):
     bench = result["benchmarks"] if isinstance(result["benchmarks"], list) else []
     raised = [f"{r['case']} G={r['G']} M={r['M']} K={r['K']} N={r['N']}" for r in bench
               if r.get("case") != "dense" and "error" in r]
+    # A timed case that fell back (to the reference, say) would publish another kernel's times as
+    # the Neuron backend's; judged on a Neuron device only (--device cpu is a plumbing check).
+    result["not_on_neuron"] = [] if device.type == "cpu" else [
+        f"{r['case']} G={r['G']} M={r['M']} K={r['K']} N={r['N']}: {r['kernels']}" for r in bench
+        if "seconds" in r and (not r["kernels"] or not all(k.startswith(NEURON_KERNELS) for k in r["kernels"]))]
+    _write(result, args.out)
     print(f"{device}: {p.get('examples')} property cases, {len(p.get('failures', []))} failures, kernels "
           f"{p.get('kernels')}; nki.simulate tests rc={sim_rc}; "
-          f"steps that raised: {failed}; benchmarks that raised or were wrong: {raised}; wrote {args.out}")
+          f"steps that raised: {failed}; benchmarks that raised or were wrong: {raised}; "
+          f"timed off the Neuron kernels: {result['not_on_neuron']}; wrote {args.out}")
     for r in bench:
         print(f"  {r['case']:32s} G={r['G']} M={r['M']} K={r['K']} N={r['N']}: "
               + (f"{r['seconds'] * 1e3:.2f} ms, x{r['x_dense'] or float('nan'):.2f} dense, "
                  f"{r['kernels']}" if "seconds" in r
                  else r["error"]))
-    return 1 if failed or p.get("failures") or sim_rc != 0 or raised else 0
+    return 1 if failed or p.get("failures") or sim_rc != 0 or raised or result["not_on_neuron"] else 0
 
 
 if __name__ == "__main__":

@@ -204,6 +204,35 @@ def test_neuron_check_exit_status(tmp_path, monkeypatch):
     assert main(prop=["AssertionError: x"]) == 1
 
 
+def test_neuron_check_fails_timings_served_off_the_neuron_kernels(tmp_path, monkeypatch):
+    """On a Neuron device a timed case whose calls were served by anything but the Neuron
+    backend's kernels (the reference after a fallback, or nothing counted) fails the run and is
+    listed in the JSON: its times would be published as the backend's. NKI and the block-wise
+    path, on either device, pass; with --device cpu (the plumbing check) nothing is judged. The
+    steps are stood in; "meta" stands for a Neuron device."""
+    import json
+
+    script = _neuron_check()
+    shape = {"G": 4, "M": 512, "K": 128, "N": 256}
+    monkeypatch.setattr(script, "property_cases", lambda *args: {"examples": 1, "failures": [], "kernels": {}})
+    monkeypatch.setattr(script, "nki_simulate_tests", lambda *args: {"returncode": 0})
+
+    def main(device, *kernels):
+        rows = [{"case": "forward 2d3d", **shape, "seconds": 1e-3, "x_dense": None, "kernels": k} for k in kernels]
+        monkeypatch.setattr(script, "benchmarks", lambda *args: rows)
+        out = tmp_path / "n.json"
+        rc = script.main(["--device", device, "--out", str(out)])
+        return rc, json.loads(out.read_text())["not_on_neuron"]
+
+    for ok in ({"neuron:nki": 23}, {"neuron:blockwise": 23}, {"xla:neuron-nki": 23}, {"xla:neuron-blockwise": 23}):
+        assert main("meta", ok) == (0, [])
+    rc, listed = main("meta", {"neuron:nki": 23}, {"neuron:nki": 22, "reference": 1})
+    assert rc == 1 and len(listed) == 1 and "reference" in listed[0]
+    assert main("meta", {})[0] == 1
+    assert main("meta", {"cpu:avx2": 23})[0] == 1
+    assert main("cpu", {"reference": 23}) == (0, [])
+
+
 def test_neuron_check_times_medians_after_warm_up(monkeypatch):
     """_time: the median of --iters runs after 3 warm-ups, each run ended by synchronize (on a
     device the op only queues work). Fake clock: the call itself takes no time and the stand-in
