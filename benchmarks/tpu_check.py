@@ -39,8 +39,9 @@ compilations while the group sizes change (expected: 0).
 
 The exit status is 1 when anything in ``failures`` (also written to the JSON) went wrong: the
 suite failed or timed out, our kernels differ from ragged_dot or raise, a case raises as a whole,
-the benchmarks raise, or new group sizes recompile. A peer (MegaBlox, ragged_dot, dense) raising
-and a case not started for ``--bench-s`` are recorded only.
+the benchmarks raise, new group sizes recompile, or our kernel was timed unchecked because
+ragged_dot raised. Another peer (MegaBlox, dense) raising and a case not started for
+``--bench-s`` are recorded only.
 """
 
 from __future__ import annotations
@@ -292,8 +293,9 @@ def count_recompiles(interpret: bool, generation: str) -> int:
 def failures(report: dict) -> list:
     """Why the run fails, one line each (the exit status is 1 unless this is empty): the suite
     failed or timed out (returncode None), the benchmarks raised, a case raised as a whole, our
-    kernel (``ours``) differs from ragged_dot or raised, or new group sizes recompiled. Not a
-    peer raising, nor a case not started for the time budget (``not_run``)."""
+    kernel (``ours``) differs from ragged_dot or raised, ours was timed with nothing to check
+    it against (ragged_dot raised), or new group sizes recompiled. Not a peer raising otherwise,
+    nor a case not started for the time budget (``not_run``)."""
     out = []
     if "suite" in report and report["suite"]["returncode"] != 0:
         out.append(f"suite: {report['suite']['summary']}")
@@ -310,6 +312,8 @@ def failures(report: dict) -> list:
                        + ("a result that is not finite" if diff is None else f"{diff}"))
         if "ours_error" in row:
             out.append(f"{where} {row['op']}: ours raised {row['ours_error']}")
+        elif "ours_correct" not in row:  # its time would be published unchecked
+            out.append(f"{where} {row['op']}: ours not checked: ragged_dot raised {row.get('ragged_dot_error')}")
     if report.get("recompiles_on_new_group_sizes"):
         out.append(f"{report['recompiles_on_new_group_sizes']} compilations for new group sizes")
     return out

@@ -619,8 +619,9 @@ def test_tpu_check_fails_when_our_kernel_is_wrong_or_raises(tmp_path, monkeypatc
 def test_tpu_check_failures_judge_the_whole_run():
     """failures() (the exit status is 1 unless it is empty) on hand-made reports: the suite
     failing or timing out (returncode None), the benchmarks raising, a case raising as a whole,
-    new group sizes recompiling each fail the run; a peer raising and a case not started for
-    the time budget do not."""
+    new group sizes recompiling, ours timed unchecked because ragged_dot raised (it was timed
+    and passed) each fail the run; another peer raising and a case not started for the time
+    budget do not."""
     script = _tpu_check()
     case = {"model": "m", "G": 4, "M": 512, "K": 256, "N": 384}
     fine = {**case, "op": "forward", "ours_correct": True, "ours_rel_diff": 0.0,
@@ -630,7 +631,8 @@ def test_tpu_check_failures_judge_the_whole_run():
     for bad in ({"suite": {"returncode": None, "summary": "timed out after 300 s"}},
                 {"suite": {"returncode": 1, "summary": "1 failed, 8 passed"}},
                 {"benchmark_error": "Traceback"}, {"benchmarks": [{**case, "error": "Traceback"}]},
-                {"recompiles_on_new_group_sizes": 2}):
+                {"recompiles_on_new_group_sizes": 2},
+                {"benchmarks": [{**case, "op": "d_weight", "ours_ms": 1.0, "ragged_dot_error": "AttributeError"}]}):
         assert len(script.failures({"benchmarks": [fine], **bad})) == 1, bad
 
 
