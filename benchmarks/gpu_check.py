@@ -472,9 +472,13 @@ def _check_and_time(entry, f, x, y, check, ref_out, ref_grads, dy, case, dev, bu
     entry["forward_ms"] = _time_ms(lambda: f(x, y), dev, budget_s)
     params = [x.clone().requires_grad_(True), y.clone().requires_grad_(True)]
     entry["forward_backward_ms"] = _time_ms(lambda: torch.autograd.grad(f(*params), params, dy), dev, budget_s)
-    entry["backward_ms"] = entry["forward_backward_ms"] - entry["forward_ms"]
     entry["forward_tflops"] = flops(case, "forward") / entry["forward_ms"] * 1e-9
-    entry["backward_tflops"] = 2 * flops(case, "forward") / max(entry["backward_ms"], 1e-6) * 1e-9
+    backward = entry["forward_backward_ms"] - entry["forward_ms"]
+    if backward > 0:
+        entry["backward_ms"] = backward
+        entry["backward_tflops"] = 2 * flops(case, "forward") / backward * 1e-9
+    else:  # the two medians' noise larger than the backward: no time, so no speedup or target from it
+        entry["backward_unmeasured"] = f"forward + backward {entry['forward_backward_ms']} ms <= forward {entry['forward_ms']} ms"
 
 
 def goals(results: list) -> dict:

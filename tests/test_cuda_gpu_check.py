@@ -310,6 +310,25 @@ def test_times_flops_and_what_is_timed(gpu_check, monkeypatch):
     assert result["variant_speedup"] == {"tma": {"forward": 2.0, "backward": 1.0}}
 
 
+def test_a_backward_time_that_is_not_positive_is_left_out(gpu_check, monkeypatch):
+    """backward_ms is the forward + backward median less the forward one; where noise makes it
+    zero or negative it is not recorded (a negative time gave a negative speedup and TFLOP/s,
+    a zero one a speedup of 1e6 x the peer's time), so speedup_vs has no backward ratio for
+    that implementation and goals() leaves the backward target unjudged (None). Stand-in times:
+    moe_ops forward 2 ms, forward + backward 2 ms; the peers' backward 4 ms each."""
+    times = [2.0, 2.0, 3.0, 7.0, 3.0, 7.0, 1.0, 5.0]
+
+    monkeypatch.setattr(gpu_check, "_time_ms", lambda fn, device, budget_s: (fn(), times.pop(0))[1])
+    case = dict(model="deepseek-v3", G=4, K=32, N=48, M=64)
+    result = gpu_check.bench_case(case, device="cpu", budget_s=0.01)
+    assert not times
+    ours = result["impls"]["moe_ops"]
+    assert "backward_ms" not in ours and "backward_tflops" not in ours and "backward_unmeasured" in ours
+    assert result["impls"]["torch._grouped_mm"]["backward_ms"] == 4.0
+    assert all(set(v) == {"forward"} for v in result["speedup_vs"].values())
+    assert gpu_check.goals([result])["deepseek-v3@64"]["backward not slower than _grouped_mm"] is None
+
+
 def test_cuda_event_timing(gpu_check, monkeypatch):
     """_time_ms's CUDA path with stand-in events (no GPU here): the warm-up calls are not timed,
     each batch of calls lies between its two events, the end event is synchronized before the
