@@ -291,8 +291,8 @@ __attribute__((noinline)) void rows_block(const Task& t, int64_t row0, int64_t c
 // -> 10.41 / 9.90 ms; OLMoE /2 (G=64, M=4096, K=1024, N=512) 34.6 / 34.0 -> 30.3 / 28.9 ms;
 // GPT-OSS /4 14.2-15.0 -> 13.9-14.2 ms; Qwen3 /4 and DeepSeek /16 (N = 192, 128) level. bf16
 // (half the bytes): G=64 10.9 / 11.0 -> 10.4 / 10.3 ms, G=256 and Qwen3 /4 level or 1-6% faster.
-// Compute alone (no stores) took 6.9 ms at G=256 and the stores alone ~8 ms, so there the sum
-// is still far from the larger of the two.
+// Timed apart at G=256 (scratch build), the FMAs alone took 6.9 ms and the stores alone ~8 ms:
+// the 9.4-10.4 ms of both together are still well above the larger of the two.
 struct Staged {
   alignas(64) uint8_t buf[kMR * 64];
   char* dst[kMR * 2];
