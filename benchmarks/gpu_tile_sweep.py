@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_check import MODELS, _rel_err, _time_ms, group_sizes, moe_ops_env  # noqa: E402
+from gpu_check import MODELS, REL_ERR_LIMIT, _rel_err, _time_ms, group_sizes, moe_ops_env  # noqa: E402
 from moe_ops import _contract  # noqa: E402
 
 # (BM, BN, BK, num_warps, num_stages, programs_per_sm): around the heuristic's sm_90 choices
@@ -76,12 +76,12 @@ def time_grouped_mm(a, b, offs):
 
 
 def measure_config(entry: dict, run, ref, grouped_mm_ms) -> None:
-    """One configuration into entry: run()'s result checked against ref (rel_err; over 2e-2, or
+    """One configuration into entry: run()'s result checked against ref (rel_err; over REL_ERR_LIMIT, or
     NaN, is "wrong result" and is not timed), then its time "ms" and "vs_grouped_mm",
     torch._grouped_mm's time over it (> 1: faster than torch._grouped_mm)."""
     err = _rel_err(run(), ref)  # in chunks: DeepSeek-V3's weight gradient is 7 GiB in bf16
     entry["rel_err"] = err
-    if err > 2e-2:
+    if err > REL_ERR_LIMIT:
         entry["error"] = "wrong result"
         return
     entry["ms"] = time_ms(run)

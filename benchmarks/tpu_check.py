@@ -72,7 +72,8 @@ TOKENS = (16384, 65536)  # M, routed rows (tokens x top-k)
 SMOKE = {"smoke": (4, 256, 384)}
 SMOKE_TOKENS = (512,)
 # Largest max|got - ragged_dot| / max|ragged_dot| that passes: both are bf16 results of fp32
-# accumulations, a few bf16 roundings (2^-8 each) apart; gpu_check.py uses the same bound.
+# accumulations, a few bf16 roundings (2^-8 each) apart; gpu_check.REL_ERR_LIMIT's twin (this
+# script imports jax only, not gpu_check's torch).
 REL_DIFF_LIMIT = 2e-2
 
 
