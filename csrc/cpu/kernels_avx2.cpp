@@ -215,6 +215,12 @@ inline void block_kernel(const typename VT::S* a, int64_t lda, const typename VT
   }
 }
 
+// Whether every row of C from c, sm elements apart, starts on a 32-byte boundary: where a row of
+// a panel can go out as whole 32-byte streaming stores.
+template <class TO> inline bool rows_aligned32(const TO* c, int64_t sm) {
+  return (((uintptr_t)c | (uintptr_t)(sm * (int64_t)sizeof(TO))) & 31) == 0;
+}
+
 // Accumulators of R rows x nc (<= 2 vectors) columns plus the bias to C from (row0, col0), with
 // the one rounding. C's fields are read once: the vector stores alias everything, so the compiler
 // would reload them per row. Inlined always: out of line, the accumulators it takes by reference
@@ -234,7 +240,7 @@ __attribute__((always_inline)) inline void store_rows(const Task& t, int64_t row
     // N=256 17.87 -> 15.14 ms, G=64, M=2048, K=N=512 13.47 -> 12.24 ms; G=8 and the forwards and
     // input gradients level.
     if (sn == 1 && nc == 2 * VT::L) {
-      const bool nt = stream && (((uintptr_t)c | (uintptr_t)(sm * (int64_t)sizeof(TO))) & 31) == 0;
+      const bool nt = stream && rows_aligned32(c, sm);
 #pragma GCC unroll 6
       for (int i = 0; i < R; ++i) {
         const __m256i h = f32_to_16bit_x16<O>(VT::add(acc[i][0], bias0), VT::add(acc[i][1], bias1));
@@ -342,7 +348,7 @@ __attribute__((noinline)) void rows_strip(const Task& t, int64_t row0, int64_t c
   using TO = typename Ty<O>::T;
   constexpr int64_t NR = 2 * VT::L;
   TO* c = (TO*)t.c + row0 * t.c_sm + col0 * t.c_sn;
-  const bool stage = t.stream && t.c_sn == 1 && (((uintptr_t)c | (uintptr_t)(t.c_sm * (int64_t)sizeof(TO))) & 31) == 0;
+  const bool stage = t.stream && t.c_sn == 1 && rows_aligned32(c, t.c_sm);
   Staged st;
   for (int64_t j = 0; j < wc; j += NR) {
     typename VT::V acc[kMR][2];
