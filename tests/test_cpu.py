@@ -576,6 +576,37 @@ def test_k_contiguous_weights_packed_one_k_block_at_a_time(dtype, K):
         check(out, a, b, offs, bias, None, what=f"{isa} {dtype} K={K}")
 
 
+@pytest.mark.parametrize("K", [300, 600])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_n_contiguous_weights_read_in_place_or_packed(dtype, K):
+    """The AVX2 kernels read panels of n-contiguous fp32 / fp64 weights ([G, K, N], the input
+    gradient's) where they lie when K spans more than one block of 256 k and the rows of W are
+    apart by a distance that spreads a panel over the L2's sets (576 or 1152 bytes here, and 592:
+    not a multiple of a line, so the vectors are unaligned), and pack them into a slab otherwise
+    (2 KiB apart). Same kernel, same order of summation: the results are bitwise identical, and
+    against the oracle; groups of 9-40 rows, an empty one, trailing rows, a bias, 1-3 threads."""
+    if not has_level("avx2"):
+        pytest.skip(f"this CPU has no avx2 (best: {torch.ops.moe_cpu.machine()})")
+    gen = torch.Generator().manual_seed(K)
+    G, N = 5, 144
+    offs = torch.cumsum(torch.tensor([9, 40, 0, 23, 17]), 0).to(torch.int32)
+    M = int(offs[-1]) + 5
+    a = torch.randn(M, K, generator=gen).to(dtype)
+    w = torch.randn(G, K, N, generator=gen).to(dtype)
+    bias = torch.randn(G, N, generator=gen).to(dtype)
+
+    def rows_apart(elements):
+        padded = torch.full((G, K, elements), float("nan"), dtype=dtype)
+        padded[:, :, :N] = w
+        return padded[:, :, :N]
+
+    outs = [run_any_threads((a, b, offs, bias, None), "avx2")
+            for b in (w, rows_apart(N + 4), rows_apart(2048 // w.element_size()))]
+    check(outs[0], a, w, offs, bias, None, what=f"{dtype} K={K}")
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 @pytest.mark.parametrize("level", SWAPPED)
 @pytest.mark.parametrize("row_bytes", [4096, 4096 + 64, 2048])
 def test_swapped_groups_of_up_to_four_rows_by_weight_row_stride(row_bytes, level):

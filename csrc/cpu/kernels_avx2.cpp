@@ -66,6 +66,7 @@ template <Dt D> struct Vec {
   static constexpr int64_t L = 8;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const S* p) { return _mm256_load_ps(p); }
+  static V loadu(const S* p) { return _mm256_loadu_ps(p); }
   static void store(S* p, V v) { _mm256_store_ps(p, v); }
   static V bcast(const S* p) { return _mm256_broadcast_ss(p); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
@@ -77,6 +78,7 @@ template <> struct Vec<Dt::f64> {
   static constexpr int64_t L = 4;
   static V zero() { return _mm256_setzero_pd(); }
   static V load(const S* p) { return _mm256_load_pd(p); }
+  static V loadu(const S* p) { return _mm256_loadu_pd(p); }
   static void store(S* p, V v) { _mm256_store_pd(p, v); }
   static V bcast(const S* p) { return _mm256_broadcast_sd(p); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
@@ -185,18 +187,18 @@ constexpr int64_t kAPackBytes = 192 * 1024;
 // ms, fp32 19.51 -> 15.83 ms, input gradient fp32 18.15 -> 15.77 ms; the bf16 input gradients and
 // the weight gradients level.
 
-// acc[i][j] += sum_{k < kc} A(i, k) * b[k][j*L .. +L) for i < R, j < 2 (b: kc rows of 2 vectors),
-// A(i, k) at a + i * lda + k (row-major packed A) or, with KM, a + k * lda + i (k-major). The
+// acc[i][j] += sum_{k < kc} A(i, k) * b[k * ldb + j*L .. +L) for i < R, j < 2 (b: kc rows of 2
+// vectors, ldb apart: NR in a packed panel, or the row stride of B read in place), A(i, k) at
+// a + i * lda + k (row-major packed A) or, with KM, a + k * lda + i (k-major). The
 // lines of `pf` are prefetched spread evenly over the k steps, and `drain` takes one step per k
 // step (Staged below: the previous panel's results to C).
 struct NoDrain {
   void step() {}
 };
 template <class VT, int R, bool KM, class Drain = NoDrain>
-inline void block_kernel(const typename VT::S* a, int64_t lda, const typename VT::S* b, int64_t kc,
+inline void block_kernel(const typename VT::S* a, int64_t lda, const typename VT::S* b, int64_t ldb, int64_t kc,
                          typename VT::V (&acc)[kMR][2], PfRun pf, Drain&& drain = NoDrain{}) {
   using V = typename VT::V;
-  constexpr int64_t NR = 2 * VT::L;
   const int64_t every = pf.lines > 0 ? imax(1, kc / pf.lines) : kc, per = pf.lines > kc ? ceil_div(pf.lines, kc) : 1;
   for (int64_t k = 0; k < kc;) {
     for (int64_t q = 0; q < per && pf.lines > 0; ++q, --pf.lines, pf.first += 64) _mm_prefetch(pf.first, _MM_HINT_T1);
@@ -204,7 +206,7 @@ inline void block_kernel(const typename VT::S* a, int64_t lda, const typename VT
 #pragma GCC unroll 4
     for (; k < end; ++k) {
       drain.step();
-      const V b0 = VT::load(b + k * NR), b1 = VT::load(b + k * NR + VT::L);
+      const V b0 = VT::loadu(b + k * ldb), b1 = VT::loadu(b + k * ldb + VT::L);
 #pragma GCC unroll 6
       for (int i = 0; i < R; ++i) {
         const V av = VT::bcast(KM ? a + k * lda + i : a + i * lda + k);
@@ -257,13 +259,14 @@ __attribute__((always_inline)) inline void store_rows(const Task& t, int64_t row
   }
 }
 
-// One row block (R rows from row0) x one panel (nc <= NR columns from col0) over one k block:
-// the accumulators start at zero (first) or from `part`, and end in C (last, with the bias and
-// the one rounding) or in `part`. Out of line so that each R gets its own register allocation.
+// One row block (R rows from row0) x one panel (nc <= NR columns from col0; kc rows ldb apart
+// at b) over one k block: the accumulators start at zero (first) or from `part`, and end in C
+// (last, with the bias and the one rounding) or in `part`. Out of line so that each R gets its
+// own register allocation.
 template <Dt D, Dt O, int R, bool KM>
 __attribute__((noinline)) void rows_block(const Task& t, int64_t row0, int64_t col0, int64_t nc,
                                           const typename Vec<D>::S* a, int64_t lda, const typename Vec<D>::S* b,
-                                          int64_t kc, bool first, bool last, typename Vec<D>::S* part,
+                                          int64_t ldb, int64_t kc, bool first, bool last, typename Vec<D>::S* part,
                                           const typename Vec<D>::S* bias, PfRun pf) {
   using VT = Vec<D>;
   constexpr int64_t NR = 2 * VT::L;
@@ -273,7 +276,7 @@ __attribute__((noinline)) void rows_block(const Task& t, int64_t row0, int64_t c
     acc[i][0] = first ? VT::zero() : VT::load(part + i * NR);
     acc[i][1] = first ? VT::zero() : VT::load(part + i * NR + VT::L);
   }
-  block_kernel<VT, R, KM>(a, lda, b, kc, acc, pf);
+  block_kernel<VT, R, KM>(a, lda, b, ldb, kc, acc, pf);
   if (!last) {
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
@@ -355,14 +358,14 @@ __attribute__((noinline)) void rows_strip(const Task& t, int64_t row0, int64_t c
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = VT::zero();
     if (stage) {
-      block_kernel<VT, R, KM>(a, lda, b + j * kc, kc, acc, ahead.take(), st);
+      block_kernel<VT, R, KM>(a, lda, b + j * kc, NR, kc, acc, ahead.take(), st);
       st.flush();
       if (j + NR <= wc) {
         st.put<O, VT, R>(c + j, t.c_sm, acc, bias + j);
         continue;
       }
     } else {
-      block_kernel<VT, R, KM>(a, lda, b + j * kc, kc, acc, ahead.take());
+      block_kernel<VT, R, KM>(a, lda, b + j * kc, NR, kc, acc, ahead.take());
     }
     store_rows<O, VT, R>(t, row0, col0 + j, imin(NR, wc - j), acc, bias + j);
   }
@@ -708,6 +711,34 @@ int64_t workspace(Dt in, int64_t K) {
   return imax(gemv, (a + b + kWideCols) * s + kPartBytes + 4 * 64);
 }
 
+// Whether the panels of n-contiguous B go to the kernel where they lie (kc rows b_sk apart)
+// instead of being copied into the packed slab first: fp32 / fp64 B (nothing to convert) whose
+// rows are apart by a distance that spreads a panel's kKC lines over at least 64 of the 1024
+// sets of a 512 KiB, 8-way L2 (Zen 2 / Zen 3), i.e. 512 lines for its 256: not a multiple of 64
+// bytes, or a multiple whose power-of-two factor is at most 1 KiB. Such a panel stays in L2
+// while each row block of the item reads it again (its rows fall into few L1 sets, so it does
+// not stay in L1; L2 keeps up with the kernel's 64 bytes per k step), and the copy is gone: at
+// G=256 (groups of ~16 rows, each packed panel read three times) it took ~25% of the op's
+// samples. Rows 2, 4 or 8 KiB apart (N = 512, 1024, 2048 fp32) map to at most 32 sets, which
+// the panel and everything else contend for: read in place regardless, G=8, M=4096, K=1024,
+// N=2048 went 142 -> 164 ms, and G=64, M=2048, K=N=512 stayed level. Measured on the Zen 3 VM
+// (AMD EPYC, family 25, model 1, 2026-12-07; 2 threads, both ways switched call by call in one
+// process with dense torch.mm between, 64 MiB read between calls, group sizes drawn per call,
+// 8-10 rounds, medians of two runs each), packed -> in place, input gradient fp32: G=256,
+// M=4096, K=512, N=256 17.25 / 14.26 -> 15.24 / 13.23 ms; G=128, M=8192, K=2048, N=768 289 / 222
+// -> 251 / 212 ms; GPT-OSS-20B /4 (G=32, M=2048, K=N=720) 19.95 / 18.74 -> 18.17 / 17.35 ms;
+// Qwen3-30B-A3B /4 (G=128, M=4096, K=512, N=192) 8.44 / 7.46 -> 7.97 / 7.48 ms; DeepSeek-V3 /16
+// (G=256, M=4096, K=448, N=128) 6.51 / 5.97 -> 6.61 / 6.02 ms.
+template <Dt D> bool b_in_place(const Task& t) {
+  if constexpr (D != Dt::f32 && D != Dt::f64) return false;
+  const int64_t stride = t.b_sk * (int64_t)sizeof(typename Ty<D>::T);
+  if (t.b_sn != 1 || stride <= 0) return false;
+  if (stride % 64 != 0) return true;
+  int64_t lines = stride / 64, sets = 1024;
+  while (lines % 2 == 0 && sets > 1) lines /= 2, sets /= 2;
+  return sets >= 64;
+}
+
 template <Dt D, Dt O>
 void item(const Task& t, const Item& it, void* ws) {
   if constexpr (D != Dt::f64) {
@@ -745,14 +776,14 @@ void item(const Task& t, const Item& it, void* ws) {
   };
   // One row block (from row mb of the item) x one panel of B over one k block; pb: the panel's
   // partial sums (rows_p x NR).
-  auto block = [&](int64_t mb, int64_t col0, int64_t nc, const S* b, int64_t k0, int64_t kc, S* pb, const S* bias_p,
-                   PfRun pf) {
+  auto block = [&](int64_t mb, int64_t col0, int64_t nc, const S* b, int64_t ldb, int64_t k0, int64_t kc, S* pb,
+                   const S* bias_p, PfRun pf) {
     const bool first = k0 == 0, last = k0 + kKC >= K;
     S* p = pb + mb * NR;
     rows_of(mb, k0, [&](auto r, const S* a, int64_t row0) {
       constexpr int R = decltype(r)::value;
-      if (kmajor) rows_block<D, O, R, true>(t, row0, col0, nc, a, lda, b, kc, first, last, p, bias_p, pf);
-      else rows_block<D, O, R, false>(t, row0, col0, nc, a, lda, b, kc, first, last, p, bias_p, pf);
+      if (kmajor) rows_block<D, O, R, true>(t, row0, col0, nc, a, lda, b, ldb, kc, first, last, p, bias_p, pf);
+      else rows_block<D, O, R, false>(t, row0, col0, nc, a, lda, b, ldb, kc, first, last, p, bias_p, pf);
     });
   };
 
@@ -775,7 +806,7 @@ void item(const Task& t, const Item& it, void* ws) {
       for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kKC) {  // K == 0: one pass, C = bias
         const int64_t kc = imin(kKC, K - k0);
         if (kc > 0) pack_b_kcontig<D>(t, k0, kc, col0, nc, bp);
-        for (int64_t mb = 0; mb < rows; mb += kMR) block(mb, col0, nc, bp, k0, kc, part, bias, ahead.take());
+        for (int64_t mb = 0; mb < rows; mb += kMR) block(mb, col0, nc, bp, NR, k0, kc, part, bias, ahead.take());
       }
     }
     return;
@@ -783,7 +814,8 @@ void item(const Task& t, const Item& it, void* ws) {
   // Any other B (n-contiguous: [G, K, N] weights, the input gradient's, the weight gradient's dy):
   // slabs of kKC rows x `wide` columns, each row read once across the slab. With more than one k
   // block, the slab's panels go one by one through every row block (a panel stays in L1), with
-  // partial sums for rows x wide between k blocks. With one (K <= kKC: the weight gradient, whose
+  // partial sums for rows x wide between k blocks; there, full panels of fp32 / fp64 rows that
+  // b_in_place allows are not packed but read where they lie. With one (K <= kKC: the weight gradient, whose
   // K is a group's tokens), the row blocks go one by one through the whole slab, so that C is
   // written row by row across the slab: runs of whole lines. Measured (as for the prefetches) panel by
   // panel -> row block by row block: bf16 weight gradient G=64 13.83 -> 13.36 ms, G=256 19.72 ->
@@ -791,12 +823,14 @@ void item(const Task& t, const Item& it, void* ws) {
   const bool one_k = K <= kKC;
   const int64_t wide = one_k ? imin(kWideCols, round_up(cols, NR))
                              : imax(NR, imin(imin(kWideCols, round_up(cols, NR)), (kPartBytes / (int64_t)sizeof(S) / rows_p) / NR * NR));
+  const bool rows_in_place = !one_k && b_in_place<D>(t);
   for (int64_t nw = 0; nw < cols; nw += wide) {
     const int64_t wc = imin(wide, cols - nw), panels = ceil_div(wc, NR);
+    const bool in_place = rows_in_place && wc % NR == 0;
     load_bias<D>(t, it.n0 + nw, wc, bias, panels * NR);
     for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kKC) {
       const int64_t kc = imin(kKC, K - k0);
-      pack_b_slab<D>(t, k0, kc, it.n0 + nw, wc, bp);
+      if (!in_place) pack_b_slab<D>(t, k0, kc, it.n0 + nw, wc, bp);
       // The next slab's rows while this one computes: the next kKC rows of these columns, or,
       // after the last, as many rows past K (the next group's, with [G, K, N] weights) when this
       // item ends its task, so that this thread's next item is usually that group's.
@@ -813,9 +847,11 @@ void item(const Task& t, const Item& it, void* ws) {
         }
       } else {
         for (int64_t p = 0; p < panels; ++p) {
+          const int64_t col0 = it.n0 + nw + p * NR;
+          const S* b = in_place ? (const S*)t.b + k0 * t.b_sk + col0 : bp + p * kc * NR;
           for (int64_t mb = 0; mb < rows; mb += kMR) {
-            block(mb, it.n0 + nw + p * NR, imin(NR, wc - p * NR), bp + p * kc * NR, k0, kc, part + p * rows_p * NR,
-                  bias + p * NR, ahead.take());
+            block(mb, col0, imin(NR, wc - p * NR), b, in_place ? t.b_sk : NR, k0, kc, part + p * rows_p * NR, bias + p * NR,
+                  ahead.take());
           }
         }
       }
