@@ -21,14 +21,13 @@ Registration (measured on torch 2.13, see README "Design"), all through one
 from __future__ import annotations
 
 import collections
-import importlib
 import logging
 import threading
 from typing import Callable
 
 import torch
 
-from . import _batching, _contract, reference
+from . import _batching, _contract, _native, reference
 from ._contract import LAYOUT_2D2D, LAYOUT_2D3D, LAYOUT_3D2D, LAYOUT_3D3D
 
 log = logging.getLogger("moe_ops")
@@ -309,7 +308,7 @@ def use_autograd(kind: str) -> None:
         return
     if kind == "cpp":
         try:
-            module = _Autograd.cpp or importlib.import_module("moe_ops._autograd")
+            module = _Autograd.cpp or _native.import_native("moe_ops._autograd")
         except (ImportError, OSError) as e:
             _Autograd.why_not_cpp = f"moe_ops._autograd cannot be loaded ({type(e).__name__}: {e})"
             raise RuntimeError(_Autograd.why_not_cpp) from e

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.machinery
 import itertools
 import json
 import os
@@ -1595,6 +1596,44 @@ def test_the_compiled_module_refuses_another_torch():
     assert r.returncode == 0, r.stderr
     assert f"moe_ops._cpu was built against torch {torch.__version__}, this is torch 0.0.0" in r.stdout
     assert "OPS False" in r.stdout and "COUNTS {'reference': 1}" in r.stdout
+
+
+def test_the_compiled_modules_carry_the_torch_they_were_built_against():
+    """Each compiled module holds its build's torch version behind a marker in its file, which
+    moe_ops._native reads without loading the module (for a loader that cannot load it)."""
+    from moe_ops import _native
+
+    for name in ("moe_ops._cpu", "moe_ops._autograd"):
+        assert _native.built_against(name) == torch.__version__, name
+    assert _native.built_against("moe_ops._contract") is None  # a Python module: no marker
+
+
+@pytest.mark.outside_cpp
+def test_a_module_the_loader_rejects_names_both_torch_versions(tmp_path):
+    """A module file the dynamic loader rejects (here not even an ELF file; under another torch, an
+    undefined symbol) whose marker names another torch: the ImportError names both versions,
+    chained to the loader's error. With the running torch's version the loader's error stays."""
+    from moe_ops import _native
+
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    (tmp_path / "nativepkg").mkdir()
+    (tmp_path / "nativepkg" / "__init__.py").write_text("")
+    (tmp_path / "nativepkg" / f"other{suffix}").write_bytes(b"junk\0" + _native.MARKER + b"9.9.9\0junk")
+    (tmp_path / "nativepkg" / f"same{suffix}").write_bytes(_native.MARKER + torch.__version__.encode() + b"\0")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert _native.built_against("nativepkg.other") == "9.9.9"
+        with pytest.raises(ImportError) as info:
+            _native.import_native("nativepkg.other")
+        assert str(info.value) == f"nativepkg.other was built against torch 9.9.9, this is torch {torch.__version__}"
+        assert isinstance(info.value.__cause__, (ImportError, OSError))
+        with pytest.raises((ImportError, OSError)) as info:
+            _native.import_native("nativepkg.same")
+        assert "built against" not in str(info.value)
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [m for m in sys.modules if m == "nativepkg" or m.startswith("nativepkg.")]:
+            del sys.modules[name]
 
 
 @pytest.mark.outside_cpp

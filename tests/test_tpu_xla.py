@@ -213,3 +213,20 @@ def test_without_torchax_the_reference_serves():
                        env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "COUNTS {'reference': 1}" in r.stdout, r.stdout
+
+
+def test_compiled_modules_of_another_torch_name_both_versions():
+    """This environment's torch is not the one .ci/run builds the repository's C++ modules against,
+    so they do not load here (the dynamic loader stops at a symbol this torch lacks before their
+    own version check runs); the CPU backend's status and the autograd status say which torch
+    each module needs and which one this is (moe_ops/_native.py), and the reference serves CPU."""
+    from moe_ops import _native, _op, backends
+
+    built = {name: _native.built_against(name) for name in ("moe_ops._cpu", "moe_ops._autograd")}
+    if None in built.values() or torch.version.__version__ in built.values():
+        pytest.skip(f"the C++ modules are not built against another torch here ({built})")
+    running = torch.version.__version__
+    cpu = [s for s in backends.statuses() if s.name == "cpu"][0]
+    assert f"moe_ops._cpu was built against torch {built['moe_ops._cpu']}, this is torch {running}" in cpu.detail
+    assert (f"moe_ops._autograd was built against torch {built['moe_ops._autograd']}, this is torch {running}"
+            in _op.autograd_status())

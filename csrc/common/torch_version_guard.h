@@ -18,6 +18,11 @@
 
 namespace moe_ops_guard {
 
+// The same version as bytes in the module file, behind a marker, for the loader to read when the
+// module cannot even be loaded (an extension built against another torch usually fails dlopen on
+// an undefined symbol before PyInit runs; moe_ops/_native.py then names both versions).
+[[gnu::used]] static const char kBuiltAgainst[] = "moe_ops: built against torch " MOE_OPS_STR(MOE_OPS_TORCH_VERSION);
+
 // True if torch.version.__version__ is the build's; otherwise false with an ImportError set
 // (or the error of importing torch.version).
 inline bool same_torch(const char* module_name) {

@@ -46,7 +46,6 @@ reference, logged once.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import re
@@ -54,6 +53,7 @@ import sys
 
 import torch
 
+from .. import _native
 from .._op import note_kernel, register_device_kernel
 from . import BackendUnavailable, Status
 
@@ -94,7 +94,7 @@ def _load() -> bool:
     global _loaded, _why_not, _kernel
     if _loaded is None:
         try:
-            importlib.import_module("moe_ops._cpu")
+            _native.import_native("moe_ops._cpu")
             _kernel = torch.ops.moe_cpu.grouped_mm.default
             _loaded = True
             for problem in env_problems():
