@@ -14,7 +14,9 @@ Categories:
   are not a valid partition are clamped on the device (no host read), sample by sample;
 * checked mode reads offs on the device and raises like on CPU; outside it offs are clamped;
 * new group sizes run the compiled XLA graph again (no new compilation), new shapes compile;
-* without torchax (which call_jax needs) the call is declined to the reference, not an error.
+* without torchax (which call_jax needs) the call is declined to the reference, not an error;
+* the repository's C++ modules, built against another torch, are not loaded here, and the
+  statuses name both versions instead of the dynamic loader's undefined symbol.
 """
 
 from __future__ import annotations
@@ -219,7 +221,7 @@ def test_compiled_modules_of_another_torch_name_both_versions():
     """This environment's torch is not the one .ci/run builds the repository's C++ modules against,
     so they do not load here (the dynamic loader stops at a symbol this torch lacks before their
     own version check runs); the CPU backend's status and the autograd status say which torch
-    each module needs and which one this is (moe_ops/_native.py), and the reference serves CPU."""
+    each module needs and which one this is (moe_ops/_native.py)."""
     from moe_ops import _native, _op, backends
 
     built = {name: _native.built_against(name) for name in ("moe_ops._cpu", "moe_ops._autograd")}
