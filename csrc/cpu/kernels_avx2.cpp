@@ -735,9 +735,8 @@ template <Dt D> bool b_in_place(const Task& t) {
   const int64_t stride = t.b_sk * (int64_t)sizeof(typename Ty<D>::T);
   if (t.b_sn != 1 || stride <= 0) return false;
   if (stride % 64 != 0) return true;
-  int64_t lines = stride / 64, sets = 1024;
-  while (lines % 2 == 0 && sets > 1) lines /= 2, sets /= 2;
-  return sets >= 64;
+  const int64_t lines = stride / 64;
+  return (lines & -lines) <= 16;  // kKC rows this far apart fall into 1024 / (lines & -lines) sets
 }
 
 template <Dt D, Dt O>
@@ -816,11 +815,11 @@ void item(const Task& t, const Item& it, void* ws) {
   // slabs of kKC rows x `wide` columns, each row read once across the slab. With more than one k
   // block, the slab's panels go one by one through every row block (a panel stays in L1), with
   // partial sums for rows x wide between k blocks; there, full panels of fp32 / fp64 rows that
-  // b_in_place allows are not packed but read where they lie. With one (K <= kKC: the weight gradient, whose
-  // K is a group's tokens), the row blocks go one by one through the whole slab, so that C is
-  // written row by row across the slab: runs of whole lines. Measured (as for the prefetches) panel by
-  // panel -> row block by row block: bf16 weight gradient G=64 13.83 -> 13.36 ms, G=256 19.72 ->
-  // 18.07 ms; fp32 level.
+  // b_in_place allows are not packed but read where they lie. With one (K <= kKC: the weight
+  // gradient, whose K is a group's tokens), the row blocks go one by one through the whole slab,
+  // so that C is written row by row across the slab: runs of whole lines. Measured (as for the
+  // prefetches) panel by panel -> row block by row block: bf16 weight gradient G=64 13.83 ->
+  // 13.36 ms, G=256 19.72 -> 18.07 ms; fp32 level.
   const bool one_k = K <= kKC;
   const int64_t wide = one_k ? imin(kWideCols, round_up(cols, NR))
                              : imax(NR, imin(imin(kWideCols, round_up(cols, NR)), (kPartBytes / (int64_t)sizeof(S) / rows_p) / NR * NR));
@@ -851,8 +850,8 @@ void item(const Task& t, const Item& it, void* ws) {
           const int64_t col0 = it.n0 + nw + p * NR;
           const S* b = in_place ? (const S*)t.b + k0 * t.b_sk + col0 : bp + p * kc * NR;
           for (int64_t mb = 0; mb < rows; mb += kMR) {
-            block(mb, col0, imin(NR, wc - p * NR), b, in_place ? t.b_sk : NR, k0, kc, part + p * rows_p * NR, bias + p * NR,
-                  ahead.take());
+            block(mb, col0, imin(NR, wc - p * NR), b, in_place ? t.b_sk : NR, k0, kc, part + p * rows_p * NR,
+                  bias + p * NR, ahead.take());
           }
         }
       }
