@@ -18,6 +18,7 @@ failure (the build that makes the CPU kernel makes both C++ modules).
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -124,6 +125,22 @@ def implementations():
     if torch.cuda.is_available():
         params.append(pytest.param(Impl("op@cuda", _on_device("cuda"), device="cuda"), id="op@cuda"))
     return params
+
+
+def pytest_collection_finish(session):
+    """The deviceless TPU compiles of test_tpu_mosaic.py start once the session is known to run
+    one of its tests (see its start_workers)."""
+    if session.config.option.collectonly:
+        return
+    module = next((i.module for i in session.items if i.module.__name__ == "test_tpu_mosaic"), None)
+    if module is not None:
+        module.start_workers(early=True)
+
+
+def pytest_sessionfinish(session):
+    module = sys.modules.get("test_tpu_mosaic")
+    if module is not None:  # a session stopped early (-x, Ctrl-C) leaves no compile running
+        module.stop_workers()
 
 
 def pytest_configure(config):
