@@ -15,14 +15,14 @@
 // namespace, so that none of its code can be picked by the linker for code that runs elsewhere.
 //
 // Work unit: one Item = rows [m0, m1) x columns [n0, n1) of one Task (C = A @ B + bias). An item
-// packs its rows of A once (fp32 / fp64, row-major; k-major for a column-major A, the weight
-// gradient's x^T), then walks its columns in panels of NR = 2 vectors (16 fp32 or 8 fp64
-// columns) and K in blocks of kKC, packs each block of B once and multiplies it into every row
-// block of kMR = 6 rows: 6 x 2 accumulators (12 of the 16 ymm registers), two loads of B and six
-// broadcasts of A per k. Each output element is summed over k in order, in one accumulator, so
-// its value does not depend on how the call is cut into items or threads. Every element of C in
-// the item is written (k == 0 gives the bias or zeros); C gets one rounding, the bias added
-// before it.
+// packs its rows of A once (fp32 / fp64, row-major; for a column-major A, the weight gradient's
+// x^T, k-major in panels of kMR rows), then walks its columns in panels of NR = 2 vectors (16
+// fp32 or 8 fp64 columns) and K in blocks of kKC, packs each block of B once and multiplies it
+// into every row block of kMR = 6 rows: 6 x 2 accumulators (12 of the 16 ymm registers), two
+// loads of B and six broadcasts of A per k. Each output element is summed over k in order, in one
+// accumulator, so its value does not depend on how the call is cut into items or threads. Every
+// element of C in the item is written (k == 0 gives the bias or zeros); C gets one rounding, the
+// bias added before it.
 
 #if defined(__x86_64__) || defined(_M_X64)
 
@@ -189,9 +189,9 @@ constexpr int64_t kAPackBytes = 192 * 1024;
 
 // acc[i][j] += sum_{k < kc} A(i, k) * b[k * ldb + j*L .. +L) for i < R, j < 2 (b: kc rows of 2
 // vectors, ldb apart: NR in a packed panel, or the row stride of B read in place), A(i, k) at
-// a + i * lda + k (row-major packed A) or, with KM, a + k * lda + i (k-major). The
-// lines of `pf` are prefetched spread evenly over the k steps, and `drain` takes one step per k
-// step (Staged below: the previous panel's results to C).
+// a + i * lda + k (row-major packed A) or, with KM, a + k * lda + i (k-major: lda = kMR in a
+// panel of pack_a). The lines of `pf` are prefetched spread evenly over the k steps, and `drain`
+// takes one step per k step (Staged below: the previous panel's results to C).
 struct NoDrain {
   void step() {}
 };
@@ -373,25 +373,49 @@ __attribute__((noinline)) void rows_strip(const Task& t, int64_t row0, int64_t c
 }
 
 // The item's rows of A, converted to the accumulation type: row-major, row r at dst + r * lda
-// (k < K), or k-major (KM), element (r, k) at dst + k * lda + r (r < rows).
+// (k < K); or, where the rows are the contiguous dimension (kmajor: a_sm == 1), k-major in
+// panels of kMR rows, lda k each: element (r, k) at dst + (r - r % kMR) * lda + k * kMR + r % kMR,
+// so that a row block's kMR values of one k are adjacent and its k steps one contiguous run.
+// (The item's rows k-major in one array instead, lda = rows + a line or two apart, made the row
+// block read one line per k step, 0.8 KiB apart at 192 rows: measured on the Zen 3 VM (AMD EPYC,
+// family 25, model 1, 2026-12-07; 2 threads, both layouts switched call by call in one process,
+// caches flushed, group sizes drawn per call, 10-24 rounds, medians), one array -> panels, weight
+// gradient with groups of more than kKC tokens: fp32 G=8, M=4096, K=1024, N=2048 178 / 173 / 181
+// / 155 -> 150 / 166 / 167 / 139 ms; G=16, M=8192, K=N=1024 143 -> 130 ms; bf16 165 -> 141 and
+// 148 -> 137 ms; G=64 and G=256 (groups of ~32 and ~16 tokens: one k block) level.)
 template <Dt D>
 void pack_a(const Task& t, const Item& it, typename Vec<D>::S* dst, int64_t lda, bool kmajor) {
   using T = typename Ty<D>::T;
+  using S = typename Vec<D>::S;
   constexpr int64_t L = Vec<D>::L;
   const int64_t rows = it.m1 - it.m0, K = t.k;
   const T* a = (const T*)t.a + it.m0 * t.a_sm;
-  // Along whichever of r and k is contiguous in the source, a vector at a time.
-  auto copy = [&](const T* src, int64_t step, int64_t count, typename Vec<D>::S* out) {
-    int64_t i = 0;
-    if (step == 1) {
-      for (; i + L <= count; i += L) Vec<D>::store(out + i, load_vec<D>(src + i));
-    }
-    for (; i < count; ++i) out[i] = Ty<D>::get(src + i * step);
-  };
   if (kmajor) {
-    for (int64_t k = 0; k < K; ++k) copy(a + k * t.a_sk, t.a_sm, rows, dst + k * lda);
-  } else {
-    for (int64_t r = 0; r < rows; ++r) copy(a + r * t.a_sm, t.a_sk, K, dst + r * lda);
+    for (int64_t k = 0; k < K; ++k) {
+      const T* src = a + k * t.a_sk;
+      for (int64_t mb = 0; mb < rows; mb += kMR) {
+        S* out = dst + mb * lda + k * kMR;
+        if constexpr (L == 8) {
+          if (mb + L <= rows) {  // 8 rows read, 6 stored
+            const __m256 v = load_vec<D>(src + mb);
+            _mm_storeu_ps(out, _mm256_castps256_ps128(v));
+            _mm_storel_pi((__m64*)(out + 4), _mm256_extractf128_ps(v, 1));
+            continue;
+          }
+        }
+        for (int64_t i = 0; i < imin(kMR, rows - mb); ++i) out[i] = Ty<D>::get(src + mb + i);
+      }
+    }
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = a + r * t.a_sm;
+    S* out = dst + r * lda;
+    int64_t k = 0;
+    if (t.a_sk == 1) {
+      for (; k + L <= K; k += L) Vec<D>::store(out + k, load_vec<D>(src + k));
+    }
+    for (; k < K; ++k) out[k] = Ty<D>::get(src + k * t.a_sk);
   }
 }
 
@@ -694,18 +718,20 @@ int64_t item_rows(Dt in, int64_t K) {
   return imax(kMR, imin(240, kAPackBytes / bytes / kMR * kMR));
 }
 
-// Distance between packed rows of A (row-major: one line more than K, so that rows do not fall
-// into the same L1 sets; k-major: the rows rounded up past a register block).
-int64_t a_ld(int64_t K, int64_t rows, bool kmajor, int64_t s) {
+// lda of packed A (pack_a): row-major, the distance between rows: one line more than K, so that
+// rows do not fall into the same L1 sets; k-major, the k of a panel: K rounded up to 8, so that
+// every panel (kMR x 8 values: 192 or 384 bytes a step) starts on a line. Either way the item's
+// packed rows take rows (rounded up to kMR) x lda values.
+int64_t a_ld(int64_t K, bool kmajor, int64_t s) {
   const int64_t per_line = 64 / s;
-  return kmajor ? round_up(rows + kMR, per_line) + per_line : round_up(imax(K, 1), per_line) + per_line;
+  return kmajor ? round_up(imax(K, 1), 8) : round_up(imax(K, 1), per_line) + per_line;
 }
 
 bool kmajor_a(const Task& t) { return t.a_sm == 1 && t.a_sk != 1; }
 
 int64_t workspace(Dt in, int64_t K) {
   const int64_t s = in == Dt::f64 ? 8 : 4, rows = round_up(item_rows(in, K), kMR), NR = 64 / s;
-  const int64_t a = imax(rows * a_ld(K, rows, false, s), imax(K, 1) * a_ld(K, rows, true, s));
+  const int64_t a = rows * imax(a_ld(K, false, s), a_ld(K, true, s));
   const int64_t b = imax(kKC * kWideCols, imax(K, 1) * NR);
   const int64_t gemv = (kGemvRows * round_up(imax(K, 1), 8) + 4 * kGemvtCols) * 4 + 128;
   return imax(gemv, (a + b + kWideCols) * s + kPartBytes + 4 * 64);
@@ -751,10 +777,10 @@ void item(const Task& t, const Item& it, void* ws) {
   constexpr int64_t NR = 2 * VT::L;
   const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, rows_p = round_up(rows, kMR);
   const bool kmajor = kmajor_a(t);
-  const int64_t lda = a_ld(K, rows, kmajor, sizeof(S));
+  const int64_t lda = a_ld(K, kmajor, sizeof(S));
   auto align = [](S* p) { return (S*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
   S* ap = align((S*)ws);
-  S* bp = align(ap + (kmajor ? imax(K, 1) * lda : rows_p * lda));
+  S* bp = align(ap + rows_p * lda);
   S* bias = align(bp + imax(kKC * kWideCols, imax(K, 1) * NR));
   S* part = align(bias + kWideCols);
   pack_a<D>(t, it, ap, lda, kmajor);
@@ -763,7 +789,7 @@ void item(const Task& t, const Item& it, void* ws) {
   // Calls f(Rows<R>{}, a, row0) for the row block from row mb of the item (R = its rows, 1 .. kMR;
   // a: its packed rows of A from k0), each R its own instantiation of the kernels.
   auto rows_of = [&](int64_t mb, int64_t k0, auto&& f) {
-    const S* a = kmajor ? ap + k0 * lda + mb : ap + mb * lda + k0;
+    const S* a = ap + mb * lda + k0 * (kmajor ? kMR : 1);
     const int64_t row0 = it.m0 + mb;
     switch (imin(kMR, rows - mb)) {
       case 6: f(Rows<6>{}, a, row0); break;
@@ -782,7 +808,7 @@ void item(const Task& t, const Item& it, void* ws) {
     S* p = pb + mb * NR;
     rows_of(mb, k0, [&](auto r, const S* a, int64_t row0) {
       constexpr int R = decltype(r)::value;
-      if (kmajor) rows_block<D, O, R, true>(t, row0, col0, nc, a, lda, b, ldb, kc, first, last, p, bias_p, pf);
+      if (kmajor) rows_block<D, O, R, true>(t, row0, col0, nc, a, kMR, b, ldb, kc, first, last, p, bias_p, pf);
       else rows_block<D, O, R, false>(t, row0, col0, nc, a, lda, b, ldb, kc, first, last, p, bias_p, pf);
     });
   };
@@ -841,7 +867,7 @@ void item(const Task& t, const Item& it, void* ws) {
         for (int64_t mb = 0; mb < rows; mb += kMR) {
           rows_of(mb, 0, [&](auto r, const S* a, int64_t row0) {
             constexpr int R = decltype(r)::value;
-            if (kmajor) rows_strip<D, O, R, true>(t, row0, it.n0 + nw, wc, a, lda, bp, kc, bias, ahead);
+            if (kmajor) rows_strip<D, O, R, true>(t, row0, it.n0 + nw, wc, a, kMR, bp, kc, bias, ahead);
             else rows_strip<D, O, R, false>(t, row0, it.n0 + nw, wc, a, lda, bp, kc, bias, ahead);
           });
         }
