@@ -128,25 +128,24 @@ def start_workers(early=False):
     priority back (where the OS lets us raise it) when the tests reach them. At normal priority
     from the start, the three slowed the tests beside them by as much as they saved. Their
     processes, by generation; none without libtpu."""
-    if _procs or importlib.util.find_spec("libtpu") is None:
-        if not early:
-            for p in _procs.values():
-                try:
-                    os.setpriority(os.PRIO_PROCESS, p.pid, 0)
-                except OSError:  # not ours to raise (no CAP_SYS_NICE), or already ended
-                    pass
-        return _procs
-    # The compile needs no TPU runtime. TPU_SKIP_MDS_QUERY keeps libtpu off the cloud metadata
-    # server; ALLOW_MULTIPLE_LIBTPU_LOAD lets it load although this pytest process, whose jax
-    # initialised every platform, holds libtpu's lockfile (and so do the other workers).
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    for generation, topology in TOPOLOGIES.items():
-        shapes = [[name, shape, "bfloat16"] for name, shape in MOE_SHAPES.items()]
-        if generation == "v5e":  # fp32 (6-pass bf16 matmuls) for one model on one chip: ~4 s a compile
-            shapes.append(["qwen3-30b-a3b", MOE_SHAPES["qwen3-30b-a3b"], "float32"])
-        _procs[generation] = subprocess.Popen([sys.executable, "-c", _WORKER, generation, topology, json.dumps(shapes)],
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                              preexec_fn=(lambda: os.nice(19)) if early else None)
+    if not _procs and importlib.util.find_spec("libtpu") is not None:
+        # The compile needs no TPU runtime. TPU_SKIP_MDS_QUERY keeps libtpu off the cloud metadata
+        # server; ALLOW_MULTIPLE_LIBTPU_LOAD lets it load although this pytest process, whose jax
+        # initialised every platform, holds libtpu's lockfile (and so do the other workers).
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+        for generation, topology in TOPOLOGIES.items():
+            shapes = [[name, shape, "bfloat16"] for name, shape in MOE_SHAPES.items()]
+            if generation == "v5e":  # fp32 (6-pass bf16 matmuls) for one model on one chip: ~4 s a compile
+                shapes.append(["qwen3-30b-a3b", MOE_SHAPES["qwen3-30b-a3b"], "float32"])
+            _procs[generation] = subprocess.Popen(
+                [sys.executable, "-c", _WORKER, generation, topology, json.dumps(shapes)], stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True, env=env, preexec_fn=(lambda: os.nice(19)) if early else None)
+    elif not early:
+        for p in _procs.values():
+            try:
+                os.setpriority(os.PRIO_PROCESS, p.pid, 0)
+            except OSError:  # not ours to raise (no CAP_SYS_NICE), or already ended
+                pass
     return _procs
 
 
