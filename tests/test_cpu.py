@@ -445,11 +445,11 @@ def test_weight_gradient_x_transposed_is_packed_k_major(isa, dtype):
     products in the same order), and match the oracle. Output rows around the 24-row cut and past
     one item (240 rows), a column edge, groups that are empty or of odd size (a pair's missing
     half in bf16: the rows past offs[-1], never to be read, hold inf), on 1-3 threads (items end
-    at other rows: the next item's prefetch). On the AVX2 level also a group of more tokens than
-    one k block (256: its panels of 6 rows are read from their second block on); the other
-    levels' k-major packing (kernels_x86.cpp) has not been run with it (no such CPU here since)."""
+    at other rows: the next item's prefetch), and a group of more tokens than one k block (300:
+    AVX2's 256, the AVX-512 levels' 128 fp32 k or bf16 pairs; its packed A is read from the
+    second block on)."""
     gen = torch.Generator().manual_seed(5)
-    sizes = torch.tensor([0, 1, 3, 16, 17, 0, 40, 2, 71] + ([300] if isa == "avx2" else []))
+    sizes = torch.tensor([0, 1, 3, 16, 17, 0, 40, 2, 71, 300])
     offs = torch.cumsum(sizes, 0).to(torch.int32)
     M, N = int(offs[-1]) + 5, 70
     for rows in (23, 24, 25, 250, 517):

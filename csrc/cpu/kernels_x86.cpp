@@ -1661,6 +1661,12 @@ int64_t fma_item_rows(Dt in, int64_t K, bool pairs) {
 // G=8 (M=4096, K=1024, N=2048; K=4096, N=1024) level to 4% faster; fp32 G=256 7.78 -> 7.56 ms,
 // G=64 6.21 -> 6.12 ms. The prefetch is a quarter to a half of that (without it: G=256 4.93 ->
 // 4.69 ms, G=64 3.74 -> 3.67 ms).
+// The AVX2 level's panels of kMR rows (kernels_avx2.cpp pack_a: a row block's k steps one
+// contiguous run) were slower here: measured on the Zen 4 VM (2026-12-07, same method, 12
+// rounds), one array -> panels, fp32 G=8, M=4096, K=1024, N=2048 92.6 -> 93.8 ms, G=64 5.95 ->
+// 6.13 ms, G=256 7.33 -> 7.78 ms; bf16 G=8 43.4 -> 44.3 ms, G=64 3.32 -> 3.43 ms, G=256 4.04 ->
+// 4.24 ms (and 6.6 / 4.7% at G=256 with one unmasked 16-lane store per panel and k instead of a
+// 6-lane masked one).
 constexpr int64_t kKmajorMinRows = 24;
 int64_t kmajor_ldk(int64_t rows) { return round_up(rows + kMR, 16) + 16; }
 bool kmajor_a(const Task& t, int64_t rows, int64_t s) { return s == 4 && t.a_sm == 1 && t.a_sk != 1 && rows >= kKmajorMinRows; }
