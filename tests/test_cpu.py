@@ -521,8 +521,8 @@ def test_bf16_pairs_of_an_odd_k_never_read_the_row_past_k(level, K):
 def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     """Groups of 1-4 rows (decode; 1-8 with AVX2) on the FMA paths: dot products along k with k-contiguous
     weights ([G, N, K] viewed as [G, K, N]), rows of W streamed with n-contiguous ones ([G, K, N]);
-    up to 8 rows in two passes of 4 with AVX2 (and fp32 dot products with AVX-512); larger groups
-    the blocked kernel. A call mixing
+    up to 8 rows in two passes of 4 with AVX2, fp32 dot products with AVX-512 up to 16 rows in
+    four; larger groups the blocked kernel. A call mixing
     both, with a bias, K not a multiple of 16, columns not a multiple of 4, a strided mat_a and
     empty groups, against the oracle, and bitwise identical for any thread count (the kernel is
     chosen per group, not per item)."""
@@ -530,9 +530,10 @@ def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
         pytest.skip("this CPU has neither AVX2 nor AVX-512: the dot-product kernels are x86 code")
     gen = torch.Generator().manual_seed(5)
     G, K, N = 14, 83, 45
-    # 0-11 rows: both kernels (every size from 4 to 9 once); few groups, so that with more threads
-    # the larger ones are cut into items of fewer rows (which must not change their kernel).
-    sizes = torch.cat([torch.arange(4, 10), torch.randint(0, 12, (G - 6,), generator=gen)])
+    # 0-17 rows: both kernels (every size from 4 to 9 and 15 to 17 once); few groups, so that with
+    # more threads the larger ones are cut into items of fewer rows (which must not change their
+    # kernel).
+    sizes = torch.cat([torch.arange(4, 10), torch.arange(15, 18), torch.randint(0, 18, (G - 9,), generator=gen)])
     offs = torch.cumsum(sizes, 0).to(torch.int32)
     M = int(offs[-1]) + 3  # trailing rows
     a = torch.randn(M, 2 * K, generator=gen).to(dtype)[:, ::2]

@@ -16,7 +16,7 @@
 // operands takes vbs_item instead: C^T = W @ A^T with the weights read in place and the rows of A
 // in 256-bit lanes on CPUs that split 512-bit operations in two, 512-bit lanes on others (see
 // "VB, swapped" and "The swapped scheme in 512-bit vectors"). Groups of one to
-// four rows (decode; fp32 up to eight) take gemv_item (dot products along k, k-contiguous
+// four rows (decode; fp32 up to sixteen) take gemv_item (dot products along k, k-contiguous
 // weights; with the swapped scheme only where rows of W are a multiple of 4 KiB apart, see
 // vbs_task) or gemvt_item (rows of W streamed, n-contiguous weights) instead. Every
 // element of C in the item is written, so the output never needs a zero fill; k == 0 gives the
@@ -229,7 +229,7 @@ void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* ds
 }
 
 // ---------------------------------------------------------------------------------------------
-// Groups of one to four rows (decode; fp32 up to eight with k-contiguous weights): dot products
+// Groups of one to four rows (decode; fp32 up to sixteen with k-contiguous weights): dot products
 // along k, or the rows of B streamed.
 
 // Groups of at most kGemvRows rows (kGemvRowsF32 for fp32) with k-contiguous weights (decode: one token sends one row to
@@ -250,20 +250,29 @@ void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* ds
 // into items. bf16 with the swapped VDPBF16PS scheme (AMD Zen 4) takes this only where the rows of
 // W are a multiple of 4 KiB apart (see vbs_task).
 constexpr int64_t kGemvRows = 4;
-// fp32 on the FMA path: groups of up to 8 rows, in two passes of 4 over each block of W's rows.
+// fp32 on the FMA path: groups of up to 16 rows, in passes of 4 over each block of W's rows.
 // The blocked kernel transpose-packs every 64 x K panel of W for its few rows: with one weight
 // matrix shared by all groups (the compute alone; G=256, K=512, N=256, 2 threads, caches
 // flushed) groups of 4 rows took 1.94 ms here and groups of 5 on the blocked kernel 4.03 ms
 // (dense 1.65 / 2.22 ms). Measured on the Zen 4 VM (2 threads, one process alternating, caches
 // flushed, 10-12 rounds, medians, 2026-12-01), blocked -> this, every group of G=256, K=512,
 // N=256 of 5 / 6 / 7 / 8 rows: 9.19 / 8.36 / 9.47 / 8.59 -> 5.86 / 5.54 / 5.77 / 6.03 ms (the
-// 128 MiB of weights at ~26 GB/s take 5.0); 9-12 rows in three passes: level or
-// slower (6.76 / 7.38 / 7.18 / 7.51 -> 6.85 / 7.03 / 7.46 / 7.93), hence 8. The forward
-// shapes (Dirichlet sizes): G=256 9.98 -> 9.83 ms, DeepSeek-V3 /16 4.90 -> 4.78, the rest level;
-// decode ([G, N, K] weights, 16 / 32 tokens): Mixtral 92.9 / 118.7 -> 68.1 / 88.7 ms,
-// GPT-OSS-20B 27.4 / 43.2 -> 26.2 / 33.7, OLMoE-1B-7B 15.9 / 21.1 -> 15.5 / 15.3, Qwen3-30B-A3B
-// 18.6 / 23.1 -> 17.9 / 21.4, DeepSeek-V3 /4 level. bf16 and fp16 not measured: they keep 4.
-constexpr int64_t kGemvRowsF32 = 8;
+// 128 MiB of weights at ~26 GB/s take 5.0). The forward shapes (Dirichlet sizes): G=256
+// 9.98 -> 9.83 ms, DeepSeek-V3 /16 4.90 -> 4.78, the rest level; decode ([G, N, K] weights, 16 /
+// 32 tokens): Mixtral 92.9 / 118.7 -> 68.1 / 88.7 ms, GPT-OSS-20B 27.4 / 43.2 -> 26.2 / 33.7,
+// OLMoE-1B-7B 15.9 / 21.1 -> 15.5 / 15.3, Qwen3-30B-A3B 18.6 / 23.1 -> 17.9 / 21.4, DeepSeek-V3
+// /4 level. 9-16 rows, in up to four passes (gemv_passes), measured on the Zen 4 VM on
+// 2026-12-07 (same method, 12-20 rounds), 8 -> 16: groups of 9 / 10 / 12 / 14 / 16 / 20 rows, all
+// G=256 (K=512, N=256) read, 6.40 / 7.32 / 8.04 / 7.67 / 7.85 / 9.16 -> 5.42 / 5.83 / 6.45 / 6.68 /
+// 7.49 / 9.19 ms; one matrix shared by all groups (the compute alone, M=2048, K=N=512, ratio to
+// dense) 9 / 12 / 16 / 24 / 32 rows x1.55 / x1.35 / x1.31 / x1.08 / x1.06 -> x1.09 / x1.07 /
+// x1.09 / (blocked) x1.07 / x1.07; the forward G=64 7.54 -> 7.42 ms and 7.55 -> 7.31 ms,
+// G=256 8.86 -> 8.57 ms and 9.20 -> 8.90 ms, G=8 level; 64 / 128 tokens routed top-2 to 8
+// experts (K=4096, N=3584) 18.99 / 29.83 -> 17.45 / 26.92 ms. (On 2026-12-01 three passes for
+// 9-12 rows had measured level or slower, 6.76 / 7.38 / 7.18 / 7.51 -> 6.85 / 7.03 / 7.46 / 7.93
+// ms: not so today.) 17-24 rows stay blocked: 20 rows level. bf16 and fp16 not measured: they
+// keep 4.
+constexpr int64_t kGemvRowsF32 = 16;
 constexpr int64_t kGemvAmxMinK = 4096;  // see amx_item
 // Rows of W ahead (the next block of four) that gemv_block prefetches into L2, one line per line
 // it reads. Without it every row of K >= 2048 bf16 starts a fresh 4 KiB page that the hardware
@@ -312,25 +321,30 @@ inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t l
   }
 }
 
+// Passes of up to 4 rows over one block of NJ rows of W while it is in L1 (each row's sums do
+// not depend on which pass it is in).
+template <Dt D, Dt O, int NJ, int R>
+inline void gemv_passes(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t n, const float* bias) {
+  constexpr int R0 = R > 4 ? 4 : R;
+  gemv_block<D, O, R0, NJ>(t, it, ap, lda, n, bias);
+  if constexpr (R > R0) {
+    Item hi = it;
+    hi.m0 += R0;
+    gemv_passes<D, O, NJ, R - R0>(t, hi, ap + R0 * lda, lda, n, bias);
+  }
+}
+
 template <Dt D, Dt O, int R>
 void gemv_rows(const Task& t, const Item& it, const float* ap, int64_t lda) {
-  // Up to 4 rows per pass over a block of W's rows; rows 4-7 in a second pass while those rows
-  // are still in L1 (each row's sums do not depend on which pass it is in).
-  constexpr int R0 = R > 4 ? 4 : R, R1 = R - R0;
-  static_assert(R1 <= 4, "at most kGemvRowsF32 rows");
-  Item hi = it;
-  hi.m0 += R0;
   alignas(64) float bias[16];
   for (int64_t n = it.n0; n < it.n1;) {
     if (it.n1 - n >= 4) {
       load_bias<D>(t, n, 4, bias, 16);
-      gemv_block<D, O, R0, 4>(t, it, ap, lda, n, bias);
-      if constexpr (R1 > 0) gemv_block<D, O, R1, 4>(t, hi, ap + R0 * lda, lda, n, bias);
+      gemv_passes<D, O, 4, R>(t, it, ap, lda, n, bias);
       n += 4;
     } else {
       load_bias<D>(t, n, 1, bias, 16);
-      gemv_block<D, O, R0, 1>(t, it, ap, lda, n, bias);
-      if constexpr (R1 > 0) gemv_block<D, O, R1, 1>(t, hi, ap + R0 * lda, lda, n, bias);
+      gemv_passes<D, O, 1, R>(t, it, ap, lda, n, bias);
       n += 1;
     }
   }
@@ -348,20 +362,21 @@ const float* gemv_pack_rows(const Task& t, const Item& it, void* ws, int64_t lda
   return ap;
 }
 
+// gemv_rows for the item's `rows`, R at most (the callers take groups of at most kGemvRowsF32 /
+// kGemvRows rows).
+template <Dt D, Dt O, int R>
+void gemv_rows_upto(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return gemv_rows_upto<D, O, R - 1>(t, it, ap, lda, rows);
+  }
+  gemv_rows<D, O, R>(t, it, ap, lda);
+}
+
 template <Dt D, Dt O>
 void gemv_item(const Task& t, const Item& it, void* ws) {
   const int64_t rows = it.m1 - it.m0, lda = round_up(t.k, 16);
   const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
-  switch (rows) {
-    case 8: gemv_rows<D, O, 8>(t, it, ap, lda); break;
-    case 7: gemv_rows<D, O, 7>(t, it, ap, lda); break;
-    case 6: gemv_rows<D, O, 6>(t, it, ap, lda); break;
-    case 5: gemv_rows<D, O, 5>(t, it, ap, lda); break;
-    case 4: gemv_rows<D, O, 4>(t, it, ap, lda); break;
-    case 3: gemv_rows<D, O, 3>(t, it, ap, lda); break;
-    case 2: gemv_rows<D, O, 2>(t, it, ap, lda); break;
-    default: gemv_rows<D, O, 1>(t, it, ap, lda); break;
-  }
+  gemv_rows_upto<D, O, D == Dt::f32 ? kGemvRowsF32 : kGemvRows>(t, it, ap, lda, rows);
 }
 
 // The same groups with n-contiguous weights (W stored [G, K, N], as the input gradient reads the

@@ -17,9 +17,10 @@ at::parallel_for region share, and computes each item with:
   1.1-6.5 GFLOP/s on one Zen 2 core, against 48-65 in fp32), so this is what makes bf16 usable on them;
 * "aten": ATen's mm on the item's views (any other CPU, or ``MOE_OPS_CPU_ISA=generic``).
 
-Groups of one to four rows (decode: one row per chosen expert; on the "avx2" level up to eight)
-take kernels made for them: dot products along k with k-contiguous weights (with AMX only from
-K = 4096), the rows of W streamed with n-contiguous ones.
+Groups of one to four rows (decode: one row per chosen expert; on the "avx2" level up to eight,
+in fp32 with k-contiguous weights on the AVX-512 levels up to sixteen) take kernels made for
+them: dot products along k with k-contiguous weights (with AMX only from K = 4096), the rows of
+W streamed with n-contiguous ones.
 
 Groups of at least 2**28 multiply-adds in bf16 (only on the "avx512" and "aten" levels), 2**26
 in fp32 (not on AMD CPUs at the "avx2" and "avx512" levels, where the items are faster; no bias,
