@@ -107,6 +107,22 @@ def cpp_autograd():
     yield from _autograd_for_test("cpp")
 
 
+@pytest.fixture
+def unwritten_outputs_are_nan():
+    """The test under torch.use_deterministic_algorithms(True), whose fill_uninitialized_memory
+    makes new outputs NaN (torch.empty, and the C++ CPU kernel's csrc/cpu/output_cache.cpp
+    new_output): every element of an output must be written, and one a kernel misses must fail
+    the test rather than pass with what an earlier call of the same size left in the memory
+    (malloc and the output cache hand it back: a kernel that dropped rows 8-16 of its groups
+    passed tests/test_cpu.py's bf16 cases that way, the AVX2 level having filled the buffer)."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 def implementations():
     """pytest params, one per implementation; unavailable ones carry a skip mark with the reason."""
     status = {s.name: s for s in backends.statuses()}

@@ -49,8 +49,9 @@ from oracle import magnitude, oracle
 from strategies import Case, build, cases, poison_other_groups_2d2d
 
 cpu_backend = backends.module("cpu")
-pytestmark = pytest.mark.skipif(cpu_backend.status().mode is None,
-                                reason=f"backend cpu cannot run here: {cpu_backend.status().detail}")
+pytestmark = [pytest.mark.skipif(cpu_backend.status().mode is None,
+                                 reason=f"backend cpu cannot run here: {cpu_backend.status().detail}"),
+              pytest.mark.usefixtures("unwritten_outputs_are_nan")]
 
 ISA = {"generic": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx": 4}
 # The kernel levels the tests run: every instruction set, and the three bf16 schemes of
@@ -121,6 +122,7 @@ def num_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
 
 
 def test_extension_serves_the_op_forward_and_backward():
@@ -521,8 +523,9 @@ def test_bf16_pairs_of_an_odd_k_never_read_the_row_past_k(level, K):
 def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
     """Groups of 1-4 rows (decode; 1-8 with AVX2) on the FMA paths: dot products along k with k-contiguous
     weights ([G, N, K] viewed as [G, K, N]), rows of W streamed with n-contiguous ones ([G, K, N]);
-    up to 8 rows in two passes of 4 with AVX2, fp32 dot products with AVX-512 up to 16 rows in
-    four; larger groups the blocked kernel. A call mixing
+    up to 8 rows in two passes of 4 with AVX2; the AVX-512 FMA path's dot products up to 16 rows
+    (fp32, and bf16 at the "avx512" level) or 8 (fp16) in passes of 4; larger groups the blocked
+    kernel. A call mixing
     both, with a bias, K not a multiple of 16, columns not a multiple of 4, a strided mat_a and
     empty groups, against the oracle, and bitwise identical for any thread count (the kernel is
     chosen per group, not per item)."""

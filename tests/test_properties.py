@@ -25,7 +25,7 @@ from oracle import magnitude, oracle
 from moe_ops.testing import assert_close
 from strategies import Case, build, cases, check_exact_zeros, poison_other_groups_2d2d, poison_outside_groups
 
-pytestmark = pytest.mark.parametrize("impl", implementations())
+pytestmark = [pytest.mark.parametrize("impl", implementations()), pytest.mark.usefixtures("unwritten_outputs_are_nan")]
 
 
 def _budget(impl) -> int:

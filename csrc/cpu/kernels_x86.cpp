@@ -16,7 +16,7 @@
 // operands takes vbs_item instead: C^T = W @ A^T with the weights read in place and the rows of A
 // in 256-bit lanes on CPUs that split 512-bit operations in two, 512-bit lanes on others (see
 // "VB, swapped" and "The swapped scheme in 512-bit vectors"). Groups of one to
-// four rows (decode; fp32 up to sixteen) take gemv_item (dot products along k, k-contiguous
+// four rows (decode; on the FMA paths up to 8 or 16) take gemv_item (dot products along k, k-contiguous
 // weights; with the swapped scheme only where rows of W are a multiple of 4 KiB apart, see
 // vbs_task) or gemvt_item (rows of W streamed, n-contiguous weights) instead. Every
 // element of C in the item is written, so the output never needs a zero fill; k == 0 gives the
@@ -229,10 +229,10 @@ void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* ds
 }
 
 // ---------------------------------------------------------------------------------------------
-// Groups of one to four rows (decode; fp32 up to sixteen with k-contiguous weights): dot products
+// Groups of one to four rows (decode; on the FMA paths up to 8 or 16, k-contiguous weights): dot products
 // along k, or the rows of B streamed.
 
-// Groups of at most kGemvRows rows (kGemvRowsF32 for fp32) with k-contiguous weights (decode: one token sends one row to
+// Groups of at most kGemvRows rows (on the FMA paths see fma_gemv_rows) with k-contiguous weights (decode: one token sends one row to
 // each of its top-k experts): C[m, n] = A[m, :] . W[n, :] as dot products along k. Each row of
 // W is read once, in memory order, four rows at a time (four sequential streams the hardware
 // prefetchers follow); the group's rows of A, converted to fp32 once, stay in L1. The blocked
@@ -250,7 +250,8 @@ void load_bias(const Task& t, int64_t n0, int64_t count, typename Ty<D>::Acc* ds
 // into items. bf16 with the swapped VDPBF16PS scheme (AMD Zen 4) takes this only where the rows of
 // W are a multiple of 4 KiB apart (see vbs_task).
 constexpr int64_t kGemvRows = 4;
-// fp32 on the FMA path: groups of up to 16 rows, in passes of 4 over each block of W's rows.
+// fp32, and bf16 converted to fp32 (the "avx512" level), on the FMA path: groups of up to 16
+// rows, in passes of 4 over each block of W's rows.
 // The blocked kernel transpose-packs every 64 x K panel of W for its few rows: with one weight
 // matrix shared by all groups (the compute alone; G=256, K=512, N=256, 2 threads, caches
 // flushed) groups of 4 rows took 1.94 ms here and groups of 5 on the blocked kernel 4.03 ms
@@ -270,9 +271,19 @@ constexpr int64_t kGemvRows = 4;
 // G=256 8.86 -> 8.57 ms and 9.20 -> 8.90 ms, G=8 level; 64 / 128 tokens routed top-2 to 8
 // experts (K=4096, N=3584) 18.99 / 29.83 -> 17.45 / 26.92 ms. (On 2026-12-01 three passes for
 // 9-12 rows had measured level or slower, 6.76 / 7.38 / 7.18 / 7.51 -> 6.85 / 7.03 / 7.46 / 7.93
-// ms: not so today.) 17-24 rows stay blocked: 20 rows level. bf16 and fp16 not measured: they
-// keep 4.
-constexpr int64_t kGemvRowsF32 = 16;
+// ms: not so today.) 17-24 rows stay blocked: 20 rows level. bf16 on the "avx512" level
+// (converted to fp32: Intel CPUs with AVX-512 but neither AVX512-BF16 nor AMX; measured here with
+// that level forced), 4 -> 16, every group of G=256, K=512, N=256 read, groups of 5 / 6 / 8 / 10 /
+// 12 / 16 / 20 rows: 5.09 / 5.38 / 6.35 / 7.22 / 7.84 / 8.87 / 10.69 -> 3.07 / 3.39 / 4.35 / 5.54
+// / 6.20 / 8.18 / 10.66 ms; the same with one matrix shared by all groups alike.
+constexpr int64_t kGemvRowsFma = 16;
+// fp16 (converted to fp32 on the FMA path): each pass converts W's rows again, and from 10 rows
+// the blocked kernel is as fast. Measured as above, 4 -> 16, groups of 5 / 6 / 8 / 10 / 12 / 16
+// rows: 3.48 / 3.85 / 4.72 / 5.06 / 5.75 / 7.04 -> 3.05 / 3.38 / 4.21 / 5.23 / 6.01 / 7.88 ms,
+// hence 8. (bf16 on VDPBF16PS, the "avx512_bf16" level's direct scheme, whose blocked kernel is
+// twice as fast, keeps kGemvRows: 5 / 6 rows 4.62 / 3.84 -> 3.01 / 3.32 ms, 8 rows level, 10-16
+// rows 23-52% slower; the machine's default there is the swapped scheme anyway.)
+constexpr int64_t kGemvRowsF16 = 8;
 constexpr int64_t kGemvAmxMinK = 4096;  // see amx_item
 // Rows of W ahead (the next block of four) that gemv_block prefetches into L2, one line per line
 // it reads. Without it every row of K >= 2048 bf16 starts a fresh 4 KiB page that the hardware
@@ -362,8 +373,13 @@ const float* gemv_pack_rows(const Task& t, const Item& it, void* ws, int64_t lda
   return ap;
 }
 
-// gemv_rows for the item's `rows`, R at most (the callers take groups of at most kGemvRowsF32 /
-// kGemvRows rows).
+// The largest group that gemv_item takes on the FMA paths (VT: fma_item's vectors).
+template <class VT, Dt D>
+constexpr int64_t fma_gemv_rows() {
+  return VT::kPairs ? kGemvRows : D == Dt::f16 ? kGemvRowsF16 : kGemvRowsFma;
+}
+
+// gemv_rows for the item's `rows`, R at most (the callers take no larger groups).
 template <Dt D, Dt O, int R>
 void gemv_rows_upto(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t rows) {
   if constexpr (R > 1) {
@@ -376,7 +392,7 @@ template <Dt D, Dt O>
 void gemv_item(const Task& t, const Item& it, void* ws) {
   const int64_t rows = it.m1 - it.m0, lda = round_up(t.k, 16);
   const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
-  gemv_rows_upto<D, O, D == Dt::f32 ? kGemvRowsF32 : kGemvRows>(t, it, ap, lda, rows);
+  gemv_rows_upto<D, O, D == Dt::f16 ? kGemvRowsF16 : kGemvRowsFma>(t, it, ap, lda, rows);
 }
 
 // The same groups with n-contiguous weights (W stored [G, K, N], as the input gradient reads the
@@ -1761,7 +1777,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
   constexpr int64_t NR = 4 * VT::L, U = VT::kPairs ? 2 : 1;
   const int64_t rows = it.m1 - it.m0, cols = it.n1 - it.n0, K = t.k, KU = ceil_div(K, U), lda = fma_lda<S>(KU);
   if constexpr (sizeof(S) == 4) {
-    if (t.b_sk == 1 && t.b_sn != 1 && t.m <= (D == Dt::f32 ? kGemvRowsF32 : kGemvRows)) {
+    if (t.b_sk == 1 && t.b_sn != 1 && t.m <= fma_gemv_rows<VT, D>()) {
       gemv_item<D, O>(t, it, ws);
       return;
     }

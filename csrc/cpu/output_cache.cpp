@@ -19,6 +19,7 @@
 
 #include "output_cache.h"
 
+#include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -26,6 +27,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -310,8 +312,18 @@ void OutputCache::release(void* ctx) { cache().put(static_cast<Block*>(ctx)); }
 }  // namespace
 
 at::Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts) {
-  return at::detail::empty_generic(shape, &cache(), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                   c10::typeMetaToScalarType(opts.dtype()), c10::nullopt);
+  at::Tensor out = at::detail::empty_generic(shape, &cache(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                             c10::typeMetaToScalarType(opts.dtype()), c10::nullopt);
+  // As torch.empty does under torch.use_deterministic_algorithms(True) (with
+  // torch.utils.deterministic.fill_uninitialized_memory, on by default there): NaN, so that an
+  // element the kernels fail to write shows as one instead of as what an earlier output of the
+  // same size left in the memory (glibc and the cache hand that memory back; tests/test_cpu.py
+  // runs the kernels so).
+  const auto& ctx = at::globalContext();
+  if (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) {
+    out.fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+  return out;
 }
 
 bool in_reused_block(const at::Tensor& t) { return OutputCache::reused(t.storage().data_ptr()); }

@@ -7,8 +7,9 @@
 
 namespace moe_cpu {
 
-// A new uninitialized tensor. One of 8 MiB or more comes from the cache: a block a freed output
-// left behind, pages already mapped, when one of the same size (rounded up to 2 MiB) is there.
+// A new uninitialized tensor (NaN under torch.use_deterministic_algorithms, as torch.empty). One
+// of 8 MiB or more comes from the cache: a block a freed output left behind, pages already
+// mapped, when one of the same size (rounded up to 2 MiB) is there.
 at::Tensor new_output(at::IntArrayRef shape, const at::TensorOptions& opts);
 
 // Whether t's memory is such a block, handed out again (pages mapped unless the OS reclaimed them).

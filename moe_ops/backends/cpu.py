@@ -18,9 +18,9 @@ at::parallel_for region share, and computes each item with:
 * "aten": ATen's mm on the item's views (any other CPU, or ``MOE_OPS_CPU_ISA=generic``).
 
 Groups of one to four rows (decode: one row per chosen expert; on the "avx2" level up to eight,
-in fp32 with k-contiguous weights on the AVX-512 levels up to sixteen) take kernels made for
-them: dot products along k with k-contiguous weights (with AMX only from K = 4096), the rows of
-W streamed with n-contiguous ones.
+with k-contiguous weights on the AVX-512 FMA path up to sixteen in fp32 and bf16, eight in
+fp16) take kernels made for them: dot products along k with k-contiguous weights (with AMX only
+from K = 4096), the rows of W streamed with n-contiguous ones.
 
 Groups of at least 2**28 multiply-adds in bf16 (only on the "avx512" and "aten" levels), 2**26
 in fp32 (not on AMD CPUs at the "avx2" and "avx512" levels, where the items are faster; no bias,
