@@ -124,7 +124,6 @@ def num_threads(n: int):
         torch.set_num_threads(before)
 
 
-
 def test_extension_serves_the_op_forward_and_backward():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("moe::grouped_mm", "CPU")
     a = torch.randn(40, 24, dtype=torch.float64, requires_grad=True)
@@ -520,8 +519,8 @@ def test_bf16_pairs_of_an_odd_k_never_read_the_row_past_k(level, K):
 @pytest.mark.parametrize("weights", ["[G,N,K]", "[G,K,N]"])
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, None), (torch.float16, None),
                                              (torch.float16, torch.float32), (torch.bfloat16, None)], ids=str)
-def test_groups_of_up_to_four_rows_take_dot_products(dtype, out_dtype, weights):
-    """Groups of 1-4 rows (decode; 1-8 with AVX2) on the FMA paths: dot products along k with k-contiguous
+def test_small_groups_take_dot_products(dtype, out_dtype, weights):
+    """Groups of 1-4 rows (decode; more below) on the FMA paths: dot products along k with k-contiguous
     weights ([G, N, K] viewed as [G, K, N]), rows of W streamed with n-contiguous ones ([G, K, N]);
     up to 8 rows in two passes of 4 with AVX2; the AVX-512 FMA path's dot products up to 16 rows
     (fp32, and bf16 at the "avx512" level) or 8 (fp16) in passes of 4; larger groups the blocked
