@@ -296,8 +296,11 @@ constexpr int64_t kGemvAmxMinK = 4096;  // see amx_item
 // the same.
 constexpr int64_t kGemvAheadRows = 4;
 
-template <Dt D, Dt O, int R, int NJ>
-inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t n, const float* bias) {
+// WM, where the NJ rows of W come from: 0 W, 1 W with their fp32 values also stored into wbuf
+// (NJ rows, lda apart), 2 wbuf (see gemv_passes).
+template <Dt D, Dt O, int R, int NJ, int WM = 0>
+inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t n, const float* bias,
+                       float* wbuf = nullptr) {
   using T = typename Ty<D>::T;
   const int64_t K = t.k;
   const T* w = (const T*)t.b + n * t.b_sn;
@@ -309,13 +312,21 @@ inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t l
   }
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 km = mask16(K - k);
-    if (((k * (int64_t)sizeof(T)) & 63) == 0) {  // the next block's rows (a prefetch never faults)
-#pragma GCC unroll 4
-      for (int j = 0; j < NJ; ++j) _mm_prefetch((const char*)(w + (j + kGemvAheadRows) * t.b_sn + k), _MM_HINT_T1);
-    }
     __m512 wv[NJ];
+    if constexpr (WM == 2) {
 #pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) wv[j] = load16_f32<D>(w + j * t.b_sn + k, km);
+      for (int j = 0; j < NJ; ++j) wv[j] = _mm512_load_ps(wbuf + j * lda + k);
+    } else {
+      if (((k * (int64_t)sizeof(T)) & 63) == 0) {  // the next block's rows (a prefetch never faults)
+#pragma GCC unroll 4
+        for (int j = 0; j < NJ; ++j) _mm_prefetch((const char*)(w + (j + kGemvAheadRows) * t.b_sn + k), _MM_HINT_T1);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) {
+        wv[j] = load16_f32<D>(w + j * t.b_sn + k, km);
+        if constexpr (WM == 1) _mm512_store_ps(wbuf + j * lda + k, wv[j]);
+      }
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512 av = _mm512_load_ps(ap + r * lda + k);
@@ -333,29 +344,37 @@ inline void gemv_block(const Task& t, const Item& it, const float* ap, int64_t l
 }
 
 // Passes of up to 4 rows over one block of NJ rows of W while it is in L1 (each row's sums do
-// not depend on which pass it is in).
-template <Dt D, Dt O, int NJ, int R>
-inline void gemv_passes(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t n, const float* bias) {
+// not depend on which pass it is in). bf16 / fp16 rows of W are converted once: the first pass
+// keeps their fp32 values in wbuf, which the later passes read (the same values, so the same
+// sums). Measured on the Zen 4 VM (2 threads, one process alternating, caches flushed, 12
+// rounds, medians, 2026-12-07; the "avx512" level forced), converting in every pass -> once,
+// every group of G=256, K=512, N=256 read: bf16 groups of 5 / 8 / 10 / 12 / 16 rows 3.85 / 4.99 /
+// 5.94 / 6.75 / 8.49 -> 3.78 / 4.79 / 5.74 / 6.38 / 7.85 ms; fp16 5 / 8 rows 3.40 / 4.65 -> 3.22
+// / 4.33 ms (10-16 rows 5.41 / 6.00 / 7.47 ms, still behind the blocked kernel's 5.28 / 5.90 /
+// 7.08: see kGemvRowsF16).
+template <Dt D, Dt O, int NJ, int R, int WM = (D != Dt::f32 && R > 4) ? 1 : 0>
+inline void gemv_passes(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t n, const float* bias,
+                        float* wbuf) {
   constexpr int R0 = R > 4 ? 4 : R;
-  gemv_block<D, O, R0, NJ>(t, it, ap, lda, n, bias);
+  gemv_block<D, O, R0, NJ, WM>(t, it, ap, lda, n, bias, wbuf);
   if constexpr (R > R0) {
     Item hi = it;
     hi.m0 += R0;
-    gemv_passes<D, O, NJ, R - R0>(t, hi, ap + R0 * lda, lda, n, bias);
+    gemv_passes<D, O, NJ, R - R0, WM == 0 ? 0 : 2>(t, hi, ap + R0 * lda, lda, n, bias, wbuf);
   }
 }
 
 template <Dt D, Dt O, int R>
-void gemv_rows(const Task& t, const Item& it, const float* ap, int64_t lda) {
+void gemv_rows(const Task& t, const Item& it, const float* ap, int64_t lda, float* wbuf) {
   alignas(64) float bias[16];
   for (int64_t n = it.n0; n < it.n1;) {
     if (it.n1 - n >= 4) {
       load_bias<D>(t, n, 4, bias, 16);
-      gemv_passes<D, O, 4, R>(t, it, ap, lda, n, bias);
+      gemv_passes<D, O, 4, R>(t, it, ap, lda, n, bias, wbuf);
       n += 4;
     } else {
       load_bias<D>(t, n, 1, bias, 16);
-      gemv_passes<D, O, 1, R>(t, it, ap, lda, n, bias);
+      gemv_passes<D, O, 1, R>(t, it, ap, lda, n, bias, wbuf);
       n += 1;
     }
   }
@@ -363,7 +382,7 @@ void gemv_rows(const Task& t, const Item& it, const float* ap, int64_t lda) {
 
 // The item's rows of A as fp32 in the workspace, lda apart, zero past K.
 template <Dt D>
-const float* gemv_pack_rows(const Task& t, const Item& it, void* ws, int64_t lda) {
+float* gemv_pack_rows(const Task& t, const Item& it, void* ws, int64_t lda) {
   using T = typename Ty<D>::T;
   float* ap = (float*)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
   for (int64_t r = 0; r < it.m1 - it.m0; ++r) {
@@ -381,18 +400,21 @@ constexpr int64_t fma_gemv_rows() {
 
 // gemv_rows for the item's `rows`, R at most (the callers take no larger groups).
 template <Dt D, Dt O, int R>
-void gemv_rows_upto(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t rows) {
+void gemv_rows_upto(const Task& t, const Item& it, const float* ap, int64_t lda, int64_t rows, float* wbuf) {
   if constexpr (R > 1) {
-    if (rows < R) return gemv_rows_upto<D, O, R - 1>(t, it, ap, lda, rows);
+    if (rows < R) return gemv_rows_upto<D, O, R - 1>(t, it, ap, lda, rows, wbuf);
   }
-  gemv_rows<D, O, R>(t, it, ap, lda);
+  gemv_rows<D, O, R>(t, it, ap, lda, wbuf);
 }
 
 template <Dt D, Dt O>
 void gemv_item(const Task& t, const Item& it, void* ws) {
   const int64_t rows = it.m1 - it.m0, lda = round_up(t.k, 16);
-  const float* ap = gemv_pack_rows<D>(t, it, ws, lda);
-  gemv_rows_upto<D, O, D == Dt::f16 ? kGemvRowsF16 : kGemvRowsFma>(t, it, ap, lda, rows);
+  float* ap = gemv_pack_rows<D>(t, it, ws, lda);
+  // wbuf (4 rows of W as fp32, for gemv_passes) after the packed rows of A: 20 x lda floats, within
+  // fma_workspace (its A panel takes at least 6 x lda, its B panel 64 x K floats) wherever a
+  // group of more than 4 rows comes here.
+  gemv_rows_upto<D, O, D == Dt::f16 ? kGemvRowsF16 : kGemvRowsFma>(t, it, ap, lda, rows, ap + kGemvRowsFma * lda);
 }
 
 // The same groups with n-contiguous weights (W stored [G, K, N], as the input gradient reads the
