@@ -27,7 +27,7 @@ from strategies import small_problem
 from moe_ops.testing import assert_close
 
 
-pytestmark = pytest.mark.usefixtures("autograd_kernel")
+pytestmark = pytest.mark.usefixtures("autograd_kernel", "unwritten_outputs_are_nan")
 
 f64 = torch.float64
 
