@@ -29,6 +29,8 @@ from moe_ops.testing import assert_close
 from oracle import oracle
 from strategies import small_problem
 
+pytestmark = pytest.mark.usefixtures("unwritten_outputs_are_nan")
+
 f64 = torch.float64
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

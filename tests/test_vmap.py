@@ -27,6 +27,8 @@ from moe_ops.testing import assert_close
 from oracle import magnitude, oracle
 from strategies import Case, build, cases, check_exact_zeros, partitions, poison_outside_groups
 
+pytestmark = pytest.mark.usefixtures("unwritten_outputs_are_nan")
+
 ARGS = ("mat_a", "mat_b", "offs", "bias")
 
 
