@@ -392,10 +392,15 @@ float* gemv_pack_rows(const Task& t, const Item& it, void* ws, int64_t lda) {
   return ap;
 }
 
-// The largest group that gemv_item takes on the FMA paths (VT: fma_item's vectors).
+// The largest group that gemv_item serves in dtype D, and that fma_item sends it (VT: fma_item's
+// vectors; VDPBF16PS pairs keep kGemvRows).
+template <Dt D>
+constexpr int64_t gemv_max_rows() {
+  return D == Dt::f16 ? kGemvRowsF16 : kGemvRowsFma;
+}
 template <class VT, Dt D>
 constexpr int64_t fma_gemv_rows() {
-  return VT::kPairs ? kGemvRows : D == Dt::f16 ? kGemvRowsF16 : kGemvRowsFma;
+  return VT::kPairs ? kGemvRows : gemv_max_rows<D>();
 }
 
 // gemv_rows for the item's `rows`, R at most (the callers take no larger groups).
@@ -414,7 +419,7 @@ void gemv_item(const Task& t, const Item& it, void* ws) {
   // wbuf (4 rows of W as fp32, for gemv_passes) after the packed rows of A: 20 x lda floats, within
   // fma_workspace (its A panel takes at least 6 x lda, its B panel 64 x K floats) wherever a
   // group of more than 4 rows comes here.
-  gemv_rows_upto<D, O, D == Dt::f16 ? kGemvRowsF16 : kGemvRowsFma>(t, it, ap, lda, rows, ap + kGemvRowsFma * lda);
+  gemv_rows_upto<D, O, gemv_max_rows<D>()>(t, it, ap, lda, rows, ap + kGemvRowsFma * lda);
 }
 
 // The same groups with n-contiguous weights (W stored [G, K, N], as the input gradient reads the
