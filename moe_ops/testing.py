@@ -65,14 +65,18 @@ def tolerance(ref64: torch.Tensor, ref_same: torch.Tensor, magnitude: torch.Tens
     same computation on absolute values in float64. The second term matters where the plain
     computation is lucky, e.g. a single output element whose dot product cancels.
 
-    For float64 inputs ``ref64`` is itself a float64 computation, so the first term is zero and
-    the rule has no measure of the ground truth's own rounding: it holds for short sums (the
-    suite draws K <= 48), not for long ones. Measured on the Zen 4 VM (2026-12-06, M=209, N=64,
-    G=4, 20 seeds, the CPU kernels at the generic and AVX-512 levels): at K = 256 / 1024 / 4096
-    the largest error against the float64 oracle was 2.29 / 2.13 / 2.55 eps x max magnitude,
-    against tolerances of 2.27-2.41 / 2.16-2.18 / 2.09-2.11 (K = 4096 failed 11 of 40 calls),
-    while the oracle itself was up to 1.07 / 1.27 / 1.36 off an 80-bit sum. Check long float64
-    sums against a more exact ``ref64``.
+    For float64 inputs ``ref64`` must be more exact than float64: the tests' oracle
+    (tests/oracle.py) sums float64 problems as if in twice the precision (Ogita, Rump and Oishi's
+    Dot2), so the first term measures the plain float64 sum's rounding. With a plain float64
+    ``ref64`` that term is zero and long sums fail the rule: measured on the Zen 4 VM
+    (2026-12-06, M=209, N=64, G=4, 20 seeds, the CPU kernels at the generic and AVX-512 levels),
+    at K = 256 / 1024 / 4096 the largest error against a float64 einsum was 2.29 / 2.13 / 2.55
+    eps x max magnitude against tolerances of 2.27-2.41 / 2.16-2.18 / 2.09-2.11 (K = 4096 failed
+    11 of 40 calls), the einsum itself up to 1.36 off an 80-bit sum; against the Dot2 value
+    (2026-12-07, 5 seeds, five layouts) at most 1.80 / 2.16 / 2.60 against tolerances of at least
+    3.78 / 3.89 / 3.99 (tests/test_cpu.py, test_long_float64_sums_...). ``reference_results``
+    below computes its float64 problem plainly (moe_ops.reference in float64): for float64 inputs
+    it holds only for short sums.
     """
     if ref64.numel() == 0:
         return 0.0

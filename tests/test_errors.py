@@ -12,6 +12,8 @@ argument names) behave as documented.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 from hypothesis import given
@@ -21,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import moe_ops
 from moe_ops import _contract
 from moe_ops.testing import assert_close, backend_names, reference_results, run_backend, tolerance
-from oracle import magnitude, oracle
+from oracle import group_ids, magnitude, oracle
 from strategies import Case, build, partitions, small_problem
 
 f32, bf16 = torch.float32, torch.bfloat16
@@ -334,6 +336,60 @@ def test_assert_close_enforces_the_documented_rule():
         assert_close(ref64.clone(), ref64, ref_same, mag)
     with pytest.raises(AssertionError, match="shape"):
         assert_close(torch.tensor([[1.0]]), ref64, ref_same, mag)
+
+
+def _exact(a, b, offs, bias) -> torch.Tensor:
+    """The problem of tests/oracle.py's ``oracle`` in rational arithmetic (each product and sum
+    exact, Fraction), rounded once to float64 at the end: written out element by element, with
+    the contract's grouping, sharing no code with the oracle but group_ids."""
+    A, B = a.tolist(), b.tolist()
+    C = None if bias is None else bias.tolist()
+
+    def dot(row, col, ks):  # (Fraction + float would be a float: every term converted)
+        return sum((Fraction(row(k)) * Fraction(col(k)) for k in ks), Fraction(0))
+
+    if a.dim() == 3 and b.dim() == 3:
+        out = [[[dot(lambda k: A[g][m][k], lambda k: B[g][k][n], range(a.shape[2])) + Fraction(C[g][n] if C else 0)
+                 for n in range(b.shape[2])] for m in range(a.shape[1])] for g in range(a.shape[0])]
+    elif a.dim() == 2 and b.dim() == 3:
+        gid = group_ids(offs, a.shape[0]).tolist()
+        out = [[0 if gid[m] < 0 else dot(lambda k: A[m][k], lambda k: B[gid[m]][k][n], range(a.shape[1]))
+                + Fraction(C[gid[m]][n] if C and gid[m] >= 0 else 0) for n in range(b.shape[2])] for m in range(a.shape[0])]
+    elif a.dim() == 2 and b.dim() == 2:
+        gid = group_ids(offs, a.shape[1]).tolist()
+        out = [[[dot(lambda k: A[m][k], lambda k: B[k][n], [k for k in range(a.shape[1]) if gid[k] == g])
+                 for n in range(b.shape[1])] for m in range(a.shape[0])] for g in range(offs.shape[0])]
+    else:
+        gid = group_ids(offs, b.shape[1]).tolist()
+        out = [[0 if gid[n] < 0 else dot(lambda k: A[gid[n]][m][k], lambda k: B[k][n], range(a.shape[2]))
+                for n in range(b.shape[1])] for m in range(a.shape[1])]
+    return torch.tensor(out, dtype=torch.float64)  # Fraction -> float: rounded to nearest
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d3d", "3d2d"])
+def test_oracle_sums_float64_problems_as_if_in_twice_the_precision(layout):
+    """For float64 inputs, oracle(exact=True) is the ground truth of the tolerance rule, so it must
+    be more exact than the float64 computations it judges: within 2u |exact| + gamma_2n^2 x
+    magnitude of the exact value rounded to float64 (u = 2^-53: Dot2's bound, tests/oracle.py,
+    plus the exact value's own rounding) where the plain
+    float64 einsum (oracle(exact=False)) is not, on sums of 40 products whose magnitudes span
+    2^-40 to 2^40 (with a bias where the layout takes one: one more term). Shapes: G=3, M=6, K=40,
+    N=5, an empty group and rows or columns past offs[-1] where the layout has offs."""
+    gen = torch.Generator().manual_seed(7)
+    G, M, K, N = 3, 6, 40, 5
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * 2.0 ** torch.randint(-20, 21, shape, generator=gen)
+
+    a, b, offs, bias = {"2d3d": (r(M, K), r(G, K, N), i32(2, 2, 5), r(G, N)),
+                        "2d2d": (r(M, K), r(K, N), i32(15, 15, 36), None),
+                        "3d3d": (r(G, M, K), r(G, K, N), None, r(G, N)),
+                        "3d2d": (r(G, M, K), r(K, N), i32(1, 1, 4), None)}[layout]
+    exact = _exact(a, b, offs, bias)
+    u, n = 2.0**-53, 2 * (K + 1)
+    bound = 2 * u * exact.abs() + (n * u / (1 - n * u)) ** 2 * magnitude(a, b, offs, bias)
+    assert ((oracle(a, b, offs, bias) - exact).abs() <= bound).all()
+    assert ((oracle(a, b, offs, bias, exact=False) - exact).abs() > bound).any()  # the plain sum is not
 
 
 @pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d3d", "3d2d"])
