@@ -30,6 +30,7 @@ from torch._dynamo.utils import counters
 import moe_ops
 from moe_ops import _op, backends
 
+pytestmark = pytest.mark.usefixtures("unwritten_outputs_are_nan")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
