@@ -51,10 +51,10 @@ def _two_sum(a, b):
 def dot2(terms, count: int, shape) -> torch.Tensor:
     """float64 [shape]: sum over k < count of x_k * y_k, (x_k, y_k) = terms(k) float64 tensors that
     broadcast to shape, as accurate as if computed in twice float64's precision and then rounded:
-    error <= u |sum| + gamma_2n^2 sum |x_k y_k| with u = 2**-53 and gamma_m = m u / (1 - m u)
-    (Ogita, Rump and Oishi, "Accurate sum and dot product", SIAM J. Sci. Comput. 26(6), 2005,
-    Algorithm Dot2). At K = 4096 the second term is ~1e-9 ulp of the magnitude: the sum's rounding
-    is one half-ulp, where a float64 einsum's reaches ~1.4 ulps of the magnitude (see
+    error <= u |sum| + gamma_n^2 sum |x_k y_k| for n = count, u = 2**-53 and gamma_n = n u /
+    (1 - n u) (Ogita, Rump and Oishi, "Accurate sum and dot product", SIAM J. Sci. Comput. 26(6),
+    2005, Algorithm Dot2). At n = 4096 the second term is ~1e-9 ulp of the magnitude: the sum's
+    rounding is one half-ulp, where a float64 einsum's reaches ~1.4 ulps of the magnitude (see
     moe_ops.testing.tolerance)."""
     p = torch.zeros(shape, dtype=torch.float64)
     s = torch.zeros(shape, dtype=torch.float64)

@@ -370,8 +370,8 @@ def _exact(a, b, offs, bias) -> torch.Tensor:
 def test_oracle_sums_float64_problems_as_if_in_twice_the_precision(layout):
     """For float64 inputs, oracle(exact=True) is the ground truth of the tolerance rule, so it must
     be more exact than the float64 computations it judges: within 2u |exact| + gamma_2n^2 x
-    magnitude of the exact value rounded to float64 (u = 2^-53: Dot2's bound, tests/oracle.py,
-    plus the exact value's own rounding) where the plain
+    magnitude of the exact value rounded to float64 (u = 2^-53, n terms: Dot2's bound in
+    tests/oracle.py with twice its n to spare, plus the exact value's own rounding) where the plain
     float64 einsum (oracle(exact=False)) is not, on sums of 40 products whose magnitudes span
     2^-40 to 2^40 (with a bias where the layout takes one: one more term). Shapes: G=3, M=6, K=40,
     N=5, an empty group and rows or columns past offs[-1] where the layout has offs."""
