@@ -75,8 +75,7 @@ def tolerance(ref64: torch.Tensor, ref_same: torch.Tensor, magnitude: torch.Tens
     11 of 40 calls), the einsum itself up to 1.36 off an 80-bit sum; against the Dot2 value
     (2026-12-07, 5 seeds, five layouts) at most 1.80 / 2.16 / 2.60 against tolerances of at least
     3.78 / 3.89 / 3.99 (tests/test_cpu.py, test_long_float64_sums_...). ``reference_results``
-    below computes its float64 problem plainly (moe_ops.reference in float64): for float64 inputs
-    it holds only for short sums.
+    below gives such a ``ref64`` too, through the reference on Ozaki's splittings.
     """
     if ref64.numel() == 0:
         return 0.0
@@ -87,13 +86,63 @@ def tolerance(ref64: torch.Tensor, ref_same: torch.Tensor, magnitude: torch.Tens
     return 2.0 * same_err + out_ulp + 2.0 * acc_eps * magnitude.double().abs().max().item()
 
 
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """float64 2**exponent, exactly (built from its bits), for int64 exponents in [-1022, 1023]."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _slices(x: torch.Tensor, dim: int, bits: int, count: int) -> list:
+    """x (float64, finite) as ``count`` tensors of at most ``bits`` + 1 significant bits each on a
+    grid shared along ``dim`` (slice i: multiples of 2**(e - bits * (i + 1)), |slice i| <=
+    2**(e - bits * i), e the exponent of the line's largest |x|), whose sum is x up to
+    2**(e - bits * count) (Ozaki's error-free splitting). Each slice is x's remainder rounded
+    to its grid by adding and subtracting 1.5 * 2**(52 + grid exponent)."""
+    e = torch.frexp(x.abs().amax(dim=dim, keepdim=True)).exponent.to(torch.int64)
+    out, rest = [], x
+    for i in range(count):
+        sigma = 1.5 * _pow2(e - bits * (i + 1) + 52)
+        part = (rest + sigma) - sigma
+        out.append(part)
+        rest = rest - part
+    return out
+
+
+def _float64_exactly(mat_a, mat_b, offs, bias) -> torch.Tensor:
+    """The float64 problem summed as if in twice float64's precision: A and B split along their
+    contraction dimension (A's last, B's next to last, in every layout) into slices of at most
+    ``bits`` + 1 bits on a grid per line, so that the reference sums each product of slices
+    exactly (K products of at most 2 * bits bits < 2**52); the products for which i + j <
+    count (the rest lie below 2**-80 of the largest |a| |b|) and the bias, summed with
+    compensation (Knuth's two-sum). Values must be well inside float64's normal range (a
+    grid below 2**-1022, lines of values near 1e-300, would not be exact)."""
+    K = mat_a.shape[-1]
+    bits = (52 - K.bit_length()) // 2
+    count = -(-80 // bits)
+    As, Bs = _slices(mat_a, -1, bits, count), _slices(mat_b, -2, bits, count)
+    terms = [reference.grouped_mm(As[i], Bs[j], offs) for i in range(count) for j in range(count - i)]
+    if bias is not None:  # the reference places the bias (0 + bias: exact)
+        terms.append(reference.grouped_mm(torch.zeros_like(mat_a), mat_b, offs, bias))
+    total, carry = torch.zeros_like(terms[0]), torch.zeros_like(terms[0])
+    for t in terms:
+        s = total + t
+        z = s - total
+        carry = carry + ((total - (s - z)) + (t - z))
+        total = s
+    return total + carry
+
+
 def reference_results(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     """(ref64, ref_same, magnitude) for ``assert_close``, from ``moe_ops.reference``: the problem
-    in float64, in the inputs' precision with ``out_dtype``, and in float64 on absolute values.
-    For problems too large for an einsum oracle (tests compare small ones against one that
-    shares no code with the reference)."""
+    in float64 (float64 problems with elements, all finite, as if in twice float64's precision,
+    through ``_float64_exactly``, see ``tolerance``), in the inputs' precision with ``out_dtype``, and
+    in float64 on absolute values. For problems too large for an einsum oracle (tests compare
+    small ones against one that shares no code with the reference)."""
     b64 = None if bias is None else bias.double()
-    ref64 = reference.grouped_mm(mat_a.double(), mat_b.double(), offs, b64)
+    finite = all(t is None or bool(t.isfinite().all()) for t in (mat_a, mat_b, bias))
+    if mat_a.dtype == torch.float64 and finite and mat_a.numel() > 0 and mat_b.numel() > 0:
+        ref64 = _float64_exactly(mat_a, mat_b, offs, b64)
+    else:
+        ref64 = reference.grouped_mm(mat_a.double(), mat_b.double(), offs, b64)
     ref_same = reference.grouped_mm(mat_a, mat_b, offs, bias, out_dtype=out_dtype)
     mag = reference.grouped_mm(mat_a.double().abs(), mat_b.double().abs(), offs, None if b64 is None else b64.abs())
     return ref64, ref_same, mag
