@@ -354,7 +354,7 @@ def _exact(a, b, offs, bias) -> torch.Tensor:
     elif a.dim() == 2 and b.dim() == 3:
         gid = group_ids(offs, a.shape[0]).tolist()
         out = [[0 if gid[m] < 0 else dot(lambda k: A[m][k], lambda k: B[gid[m]][k][n], range(a.shape[1]))
-                + Fraction(C[gid[m]][n] if C and gid[m] >= 0 else 0) for n in range(b.shape[2])] for m in range(a.shape[0])]
+                + Fraction(C[gid[m]][n] if C else 0) for n in range(b.shape[2])] for m in range(a.shape[0])]
     elif a.dim() == 2 and b.dim() == 2:
         gid = group_ids(offs, a.shape[1]).tolist()
         out = [[[dot(lambda k: A[m][k], lambda k: B[k][n], [k for k in range(a.shape[1]) if gid[k] == g])
@@ -380,8 +380,9 @@ def test_float64_ground_truths_are_summed_as_if_in_twice_the_precision(layout):
     gen = torch.Generator().manual_seed(7)
     G, M, K, N = 3, 6, 40, 5
 
-    def r(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64) * 2.0 ** torch.randint(-20, 21, shape, generator=gen)
+    def r(*shape):  # magnitudes 2^-20 .. 2^20
+        scale = 2.0 ** torch.randint(-20, 21, shape, generator=gen)
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
 
     a, b, offs, bias = {"2d3d": (r(M, K), r(G, K, N), i32(2, 2, 5), r(G, N)),
                         "2d2d": (r(M, K), r(K, N), i32(15, 15, 36), None),
