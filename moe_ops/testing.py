@@ -11,7 +11,8 @@ import torch
 from . import _contract, backends, reference
 from .backends import BackendUnavailable
 
-__all__ = ["backend_names", "run_backend", "tolerance", "assert_close", "reference_results", "BackendUnavailable"]
+__all__ = ["backend_names", "run_backend", "tolerance", "assert_close", "reference_results", "float64_exactly",
+           "BackendUnavailable"]
 
 
 def backend_names() -> list:
@@ -66,16 +67,17 @@ def tolerance(ref64: torch.Tensor, ref_same: torch.Tensor, magnitude: torch.Tens
     computation is lucky, e.g. a single output element whose dot product cancels.
 
     For float64 inputs ``ref64`` must be more exact than float64: the tests' oracle
-    (tests/oracle.py) sums float64 problems as if in twice the precision (Ogita, Rump and Oishi's
-    Dot2), so the first term measures the plain float64 sum's rounding. With a plain float64
-    ``ref64`` that term is zero and long sums fail the rule: measured on the Zen 4 VM
-    (2026-12-06, M=209, N=64, G=4, 20 seeds, the CPU kernels at the generic and AVX-512 levels),
-    at K = 256 / 1024 / 4096 the largest error against a float64 einsum was 2.29 / 2.13 / 2.55
-    eps x max magnitude against tolerances of 2.27-2.41 / 2.16-2.18 / 2.09-2.11 (K = 4096 failed
-    11 of 40 calls), the einsum itself up to 1.36 off an 80-bit sum; against the Dot2 value
-    (2026-12-07, 5 seeds, five layouts) at most 1.80 / 2.16 / 2.60 against tolerances of at least
-    3.78 / 3.89 / 3.99 (tests/test_cpu.py, test_long_float64_sums_...). ``reference_results``
-    below gives such a ``ref64`` too, through the reference on Ozaki's splittings.
+    (tests/oracle.py) and ``reference_results`` sum float64 problems as if in twice the precision
+    (``float64_exactly``: their own formulation on Ozaki's error-free splittings), so the first
+    term measures the plain float64 sum's rounding. With a plain float64 ``ref64`` that term is
+    zero and long sums fail the rule: measured on the Zen 4 VM (2026-12-06, M=209, N=64, G=4, 20
+    seeds, the CPU kernels at the generic and AVX-512 levels), at K = 256 / 1024 / 4096 the
+    largest error against a float64 einsum was 2.29 / 2.13 / 2.55 eps x max magnitude against
+    tolerances of 2.27-2.41 / 2.16-2.18 / 2.09-2.11 (K = 4096 failed 11 of 40 calls), the einsum
+    itself up to 1.36 off an 80-bit sum; against a value summed as if in twice the precision
+    (2026-12-07, 5 seeds, five layouts, the plain einsum as ``ref_same``) at most 1.80 / 2.16 /
+    2.60 against tolerances of at least 3.78 / 3.89 / 3.99, and within 0.34 of the tolerance
+    with reference_results' three (tests/test_cpu.py, test_long_float64_sums_...).
     """
     if ref64.numel() == 0:
         return 0.0
@@ -107,23 +109,24 @@ def _slices(x: torch.Tensor, dim: int, bits: int, count: int) -> list:
     return out
 
 
-def _float64_exactly(mat_a, mat_b, offs, bias) -> torch.Tensor:
-    """The float64 problem summed as if in twice float64's precision: A and B split along their
-    contraction dimension (A's last, B's next to last, in every layout) into slices of at most
-    ``bits`` + 1 bits on a grid per line, so that the reference sums each product of slices
-    exactly (K products of at most 2 * bits bits < 2**52); the products for which i + j <
-    count (the rest lie below 2**-80 of the largest |a| |b|) and the bias, summed with
-    compensation (Knuth's two-sum). Values must be well inside float64's normal range (a
-    grid below 2**-1022, lines of values near 1e-300, would not be exact)."""
+def float64_exactly(bilinear, mat_a, mat_b, extra=None) -> torch.Tensor:
+    """``bilinear(mat_a, mat_b)`` (+ ``extra``) as if summed in twice float64's precision, then
+    rounded: for a float64 function bilinear in A and B that contracts A's last dimension with
+    B's next to last (each layout of grouped_mm) and sums its products in float64 in any order.
+    A and B are split along those dimensions into slices of at most ``bits`` + 1 bits on a grid
+    per line (Ozaki's error-free splitting, ``_slices``), so that bilinear sums every product of
+    two slices exactly (K products of at most 2 * bits bits, < 2**52 units of their grid); the
+    products for which i + j < count (the rest lie below 2**-80 of the largest |a| |b|) and
+    ``extra`` (an exact term, e.g. the bias as placed by bilinear's problem) are summed with
+    compensation (Knuth's two-sum). Operands must be finite and well inside float64's normal
+    range (a grid below 2**-1022, lines of values near 1e-300, would not be exact), K >= 1."""
     K = mat_a.shape[-1]
     bits = (52 - K.bit_length()) // 2
     count = -(-80 // bits)
     As, Bs = _slices(mat_a, -1, bits, count), _slices(mat_b, -2, bits, count)
-    terms = [reference.grouped_mm(As[i], Bs[j], offs) for i in range(count) for j in range(count - i)]
-    if bias is not None:  # the reference places the bias (0 + bias: exact)
-        terms.append(reference.grouped_mm(torch.zeros_like(mat_a), mat_b, offs, bias))
+    terms = [bilinear(As[i], Bs[j]) for i in range(count) for j in range(count - i)]
     total, carry = torch.zeros_like(terms[0]), torch.zeros_like(terms[0])
-    for t in terms:
+    for t in terms + ([] if extra is None else [extra]):
         s = total + t
         z = s - total
         carry = carry + ((total - (s - z)) + (t - z))
@@ -133,14 +136,15 @@ def _float64_exactly(mat_a, mat_b, offs, bias) -> torch.Tensor:
 
 def reference_results(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     """(ref64, ref_same, magnitude) for ``assert_close``, from ``moe_ops.reference``: the problem
-    in float64 (float64 problems with elements, all finite, as if in twice float64's precision,
-    through ``_float64_exactly``, see ``tolerance``), in the inputs' precision with ``out_dtype``, and
-    in float64 on absolute values. For problems too large for an einsum oracle (tests compare
-    small ones against one that shares no code with the reference)."""
+    in float64 (float64 problems with elements, all finite, as if in twice float64's precision:
+    ``float64_exactly`` on the reference, see ``tolerance``), in the inputs' precision with
+    ``out_dtype``, and in float64 on absolute values. For problems too large for an einsum
+    oracle (tests compare small ones against one that shares no code with the reference)."""
     b64 = None if bias is None else bias.double()
     finite = all(t is None or bool(t.isfinite().all()) for t in (mat_a, mat_b, bias))
     if mat_a.dtype == torch.float64 and finite and mat_a.numel() > 0 and mat_b.numel() > 0:
-        ref64 = _float64_exactly(mat_a, mat_b, offs, b64)
+        placed = None if bias is None else reference.grouped_mm(torch.zeros_like(mat_a), mat_b, offs, b64)  # 0 + bias
+        ref64 = float64_exactly(lambda x, y: reference.grouped_mm(x, y, offs), mat_a, mat_b, placed)
     else:
         ref64 = reference.grouped_mm(mat_a.double(), mat_b.double(), offs, b64)
     ref_same = reference.grouped_mm(mat_a, mat_b, offs, bias, out_dtype=out_dtype)
