@@ -235,11 +235,13 @@ def test_every_instruction_set_matches_the_oracle(isa):
 @pytest.mark.parametrize("K", [256, 4096])
 @pytest.mark.parametrize("layout", ["2d3d", "2d3d-nk", "2d2d", "3d3d", "3d2d"])
 def test_long_float64_sums_meet_the_rule_against_a_twice_precise_ground_truth(layout, K):
-    """float64 sums of 256 and 4096 products at every float64 kernel level of this machine, and
-    the reference, against a ground truth summed as if in twice float64's precision
-    (reference_results: the reference on Ozaki's splittings, checked against exact rational
-    sums in tests/test_errors.py; the oracle's einsum would gather a [209, 4096, 64] weight per
-    product) under the one tolerance rule; the property suite draws K <= 48. With the plain
+    """float64 sums of 256 and 4096 products at every float64 kernel level of this machine
+    against a ground truth summed as if in twice float64's precision (reference_results: the
+    reference on Ozaki's splittings, checked against exact rational sums in
+    tests/test_errors.py; the oracle's einsum would gather a [209, 4096, 64] weight per product)
+    under the one tolerance rule, whose plain computation is the reference's own (so the
+    reference is not checked here: it would pass by construction); the property suite draws
+    K <= 48. With the plain
     float64 einsum as the ground truth (until 2026-12-07) the rule had no measure of that
     einsum's own rounding, and long sums failed it: at K = 4096 the kernels were 2.12 eps x
     magnitude off the einsum with [G, N, K] weights ("2d3d-nk") against a tolerance of 2.08 (Zen
@@ -258,7 +260,6 @@ def test_long_float64_sums_meet_the_rule_against_a_twice_precise_ground_truth(la
                       "3d2d": lambda: (r(G, 60, K), r(K, G * N), [N, 2 * N, 3 * N, 4 * N])}[layout]()
         offs = None if offs is None else torch.tensor(offs, dtype=torch.int32)
         refs = reference_results(a, b, offs)
-        assert_close(moe_ops.reference.grouped_mm(a, b, offs), *refs, what=f"reference seed {seed}")
         for level in levels:
             assert_close(run((a, b, offs, None, None), level), *refs, what=f"{level} seed {seed}")
 
