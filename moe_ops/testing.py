@@ -12,7 +12,7 @@ from . import _contract, backends, reference
 from .backends import BackendUnavailable
 
 __all__ = ["backend_names", "run_backend", "tolerance", "assert_close", "reference_results", "float64_exactly",
-           "BackendUnavailable"]
+           "float64_exactly_applies", "BackendUnavailable"]
 
 
 def backend_names() -> list:
@@ -109,6 +109,13 @@ def _slices(x: torch.Tensor, dim: int, bits: int, count: int) -> list:
     return out
 
 
+def float64_exactly_applies(mat_a, mat_b, bias=None) -> bool:
+    """Whether ``float64_exactly`` serves this problem: float64 operands with elements, all
+    values finite (an inf or NaN makes the splitting's grid meaningless)."""
+    return (mat_a.dtype == torch.float64 and mat_a.numel() > 0 and mat_b.numel() > 0
+            and all(t is None or bool(t.isfinite().all()) for t in (mat_a, mat_b, bias)))
+
+
 def float64_exactly(bilinear, mat_a, mat_b, extra=None) -> torch.Tensor:
     """``bilinear(mat_a, mat_b)`` (+ ``extra``) as if summed in twice float64's precision, then
     rounded: for a float64 function bilinear in A and B that contracts A's last dimension with
@@ -118,8 +125,9 @@ def float64_exactly(bilinear, mat_a, mat_b, extra=None) -> torch.Tensor:
     two slices exactly (K products of at most 2 * bits bits, < 2**52 units of their grid); the
     products for which i + j < count (the rest lie below 2**-80 of the largest |a| |b|) and
     ``extra`` (an exact term, e.g. the bias as placed by bilinear's problem) are summed with
-    compensation (Knuth's two-sum). Operands must be finite and well inside float64's normal
-    range (a grid below 2**-1022, lines of values near 1e-300, would not be exact), K >= 1."""
+    compensation (Knuth's two-sum). Operands as ``float64_exactly_applies`` takes them, well
+    inside float64's normal range (a grid below 2**-1022, lines of values near 1e-300, would not
+    be exact)."""
     K = mat_a.shape[-1]
     bits = (52 - K.bit_length()) // 2
     count = -(-80 // bits)
@@ -141,8 +149,7 @@ def reference_results(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     ``out_dtype``, and in float64 on absolute values. For problems too large for an einsum
     oracle (tests compare small ones against one that shares no code with the reference)."""
     b64 = None if bias is None else bias.double()
-    finite = all(t is None or bool(t.isfinite().all()) for t in (mat_a, mat_b, bias))
-    if mat_a.dtype == torch.float64 and finite and mat_a.numel() > 0 and mat_b.numel() > 0:
+    if float64_exactly_applies(mat_a, mat_b, bias):
         placed = None if bias is None else reference.grouped_mm(torch.zeros_like(mat_a), mat_b, offs, b64)  # 0 + bias
         ref64 = float64_exactly(lambda x, y: reference.grouped_mm(x, y, offs), mat_a, mat_b, placed)
     else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_ops.testing import float64_exactly
+from moe_ops.testing import float64_exactly, float64_exactly_applies
 
 
 def group_ids(offs, extent: int) -> torch.Tensor:
@@ -43,8 +43,7 @@ def oracle(mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, exact=True, tw
     a, b = mat_a.cpu().to(acc), mat_b.cpu().to(acc)
     bias = None if bias is None else bias.cpu().to(acc)
     out = _einsum(a, b, offs, bias)
-    finite = all(t is None or bool(t.isfinite().all()) for t in (a, b, bias))
-    if exact and twice_precise and dtype == torch.float64 and finite and a.numel() > 0 and b.numel() > 0:
+    if exact and twice_precise and float64_exactly_applies(mat_a, mat_b, bias):
         a0, b0 = a.detach(), b.detach()
         placed = None if bias is None else _einsum(torch.zeros_like(a0), b0, offs, bias.detach())  # 0 + bias
         value = float64_exactly(lambda x, y: _einsum(x, y, offs, None), a0, b0, placed)
