@@ -196,3 +196,19 @@ def small_problem(layout, dtype=torch.float64, bias=False, seed=0):
     else:
         a, b, offs = r(G, M, K), r(K, N), torch.tensor([1, 1, 3])
     return ((a, b, r(G, N)) if bias else (a, b)), offs
+
+
+def long_float64_problem(layout, K, seed=0):
+    """(mat_a, mat_b, offs) of float64 sums of K products per output element (2d2d: K cut 1:1:1:1
+    into four groups), for the long-sum tests (the property suite draws K <= 48): G=4, N=64;
+    2d3d 209 rows in groups of 50 / 50 / 60 / 49 ("2d3d-nk": mat_b a transposed [G, N, K]
+    view), 3d3d / 3d2d 60 rows a group."""
+    G, M, N = 4, 209, 64
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    a, b, offs = {"2d3d": lambda: (r(M, K), r(G, K, N), [50, 100, 160, M]),
+                  "2d3d-nk": lambda: (r(M, K), r(G, N, K).transpose(1, 2), [50, 100, 160, M]),
+                  "2d2d": lambda: (r(K, M).t(), r(K, N), [K // 4, K // 2, 3 * K // 4, K]),
+                  "3d3d": lambda: (r(G, 60, K), r(G, K, N), None),
+                  "3d2d": lambda: (r(G, 60, K), r(K, G * N), [N, 2 * N, 3 * N, 4 * N])}[layout]()
+    return a, b, None if offs is None else torch.tensor(offs, dtype=torch.int32)

@@ -46,7 +46,7 @@ import moe_ops
 from moe_ops import _contract, backends
 from moe_ops.testing import assert_close, reference_results, tolerance
 from oracle import magnitude, oracle
-from strategies import Case, build, cases, poison_other_groups_2d2d
+from strategies import Case, build, cases, long_float64_problem, poison_other_groups_2d2d
 
 cpu_backend = backends.module("cpu")
 pytestmark = [pytest.mark.skipif(cpu_backend.status().mode is None,
@@ -246,19 +246,10 @@ def test_long_float64_sums_meet_the_rule_against_a_twice_precise_ground_truth(la
     einsum's own rounding, and long sums failed it: at K = 4096 the kernels were 2.12 eps x
     magnitude off the einsum with [G, N, K] weights ("2d3d-nk") against a tolerance of 2.08 (Zen
     4 VM, 5 seeds). Here the kernels' errors are at most 0.34 of the tolerance, the same sums
-    done in float32 1.4e8-2.0e8 times it. Shapes: G=4, N=64; 2d3d 209 rows, 2d2d M=209 with K
-    cut 1:1:1:1, 3d3d / 3d2d 60 rows a group; two seeds."""
-    G, M, N = 4, 209, 64
+    done in float32 1.4e8-2.0e8 times it. Shapes: strategies.long_float64_problem; two seeds."""
     levels = [name for name in ("generic", "avx2", "avx512") if has_level(name)]
     for seed in (0, 1):
-        gen = torch.Generator().manual_seed(seed)
-        r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-        a, b, offs = {"2d3d": lambda: (r(M, K), r(G, K, N), [50, 100, 160, M]),
-                      "2d3d-nk": lambda: (r(M, K), r(G, N, K).transpose(1, 2), [50, 100, 160, M]),
-                      "2d2d": lambda: (r(K, M).t(), r(K, N), [K // 4, K // 2, 3 * K // 4, K]),
-                      "3d3d": lambda: (r(G, 60, K), r(G, K, N), None),
-                      "3d2d": lambda: (r(G, 60, K), r(K, G * N), [N, 2 * N, 3 * N, 4 * N])}[layout]()
-        offs = None if offs is None else torch.tensor(offs, dtype=torch.int32)
+        a, b, offs = long_float64_problem(layout, K, seed)
         refs = reference_results(a, b, offs)
         for level in levels:
             assert_close(run((a, b, offs, None, None), level), *refs, what=f"{level} seed {seed}")
