@@ -111,6 +111,7 @@ setup(
     version="0.1.0",
     description="torch.ops.moe.grouped_mm: one grouped-matmul op for MoE, a native kernel per device",
     packages=find_packages(include=["moe_ops", "moe_ops.*"]),
+    package_data={"moe_ops": ["py.typed"]},  # PEP 561: type checkers read the package's annotations
     python_requires=">=3.10",
     install_requires=["torch>=2.9"],
     ext_modules=ext_modules,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -130,6 +130,7 @@ def check_args(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> Problem:
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
     layout = layout_of(mat_a, mat_b)
+    out_shape: tuple[int, ...]
     if layout == LAYOUT_2D3D:
         M, K = mat_a.shape
         G, Kb, N = mat_b.shape
@@ -258,7 +259,7 @@ def checked_mode() -> bool:
 
 
 @contextlib.contextmanager
-def checked(enabled: bool = True):
+def checked(enabled: bool = True) -> Iterator[None]:
     """Context manager: validate offs values on every device (raises like on CPU, syncs the host).
 
     The environment variable MOE_OPS_CHECKED=1 turns it on for a whole process (any value but

@@ -17,6 +17,8 @@ Two formulations compute the same function:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.autograd.forward_ad as _fwAD
 
@@ -26,7 +28,8 @@ from ._contract import LAYOUT_2D2D, LAYOUT_2D3D, LAYOUT_3D2D, LAYOUT_3D3D, Probl
 __all__ = ["grouped_mm", "grouped_mm_sync_free", "block_schedule"]
 
 
-def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Reference grouped matmul; same arguments and contract as ``moe_ops.grouped_mm``.
 
     Args:
@@ -63,14 +66,15 @@ def differentiated(*tensors) -> bool:
     return _fwAD._current_level >= 0 and any(_fwAD.unpack_dual(t).tangent is not None for t in ts)
 
 
-def grouped_mm_sync_free(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+def grouped_mm_sync_free(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Optional[torch.Tensor] = None,
+                         bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The block formulation on any device (never reads offs values on the host).
 
     Invalid offs are not rejected: they are clamped as on an accelerator
     (``cummax(clamp(offs, 0, extent))``).
     """
     p = _contract.check_args(mat_a, mat_b, offs, bias, out_dtype)
-    if offs is not None:
+    if offs is not None and p.extent is not None:  # (check_args: offs exactly where there is an extent)
         offs = _contract.sanitize_offs(offs, p.extent)
     return _compute_sync_free(p, mat_a, mat_b, offs, bias)
 
@@ -227,6 +231,7 @@ def _compute_sync_free(p: Problem, a, b, offs, bias):
         return _compute_sync_free(q, b.t(), a.transpose(1, 2), offs, None).t().contiguous()
 
     extent = p.extent
+    assert extent is not None  # 3Dx3D, the one layout without one, returned above
     if extent == 0:
         return a.new_zeros(p.out_shape, dtype=p.out_dtype)  # no row (or no K) belongs to a group
     block = -(-extent // p.G)

@@ -6,6 +6,8 @@ model can call to check a backend on their own shapes without the hardware.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from . import _contract, backends, reference
@@ -15,12 +17,14 @@ __all__ = ["backend_names", "run_backend", "tolerance", "assert_close", "referen
            "float64_exactly_applies", "BackendUnavailable"]
 
 
-def backend_names() -> list:
+def backend_names() -> list[str]:
     """The backends this build knows, "reference" first."""
     return ["reference", *backends.BACKEND_MODULES]
 
 
-def run_backend(name, mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, check_offs=True):
+def run_backend(name: str, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Optional[torch.Tensor] = None,
+                bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None, *,
+                check_offs: bool = True) -> torch.Tensor:
     """Run backend ``name``'s kernel directly on CPU tensors.
 
     The kernel runs natively, in its vendor's interpreter or simulator, or on our emulator,
@@ -40,7 +44,8 @@ def run_backend(name, mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, che
     for arg, t in (("mat_a", mat_a), ("mat_b", mat_b), ("offs", offs), ("bias", bias)):
         if t is not None and t.device.type != "cpu":
             raise ValueError(f"run_backend takes CPU tensors; {arg} is on {t.device}")
-    if offs is not None and check_offs:
+    # (check_args: offs exactly where there is an extent)
+    if offs is not None and p.extent is not None and check_offs:
         _contract.check_offs_values(offs, p.extent)
     if name == "reference":
         module = None
@@ -48,7 +53,7 @@ def run_backend(name, mat_a, mat_b, offs=None, bias=None, out_dtype=None, *, che
         module = backends.module(name)
     else:
         raise KeyError(f"unknown backend {name!r}; known: {backend_names()}")
-    if offs is not None and not check_offs and not getattr(module, "CLAMPS_OFFS", False):
+    if offs is not None and p.extent is not None and not check_offs and not getattr(module, "CLAMPS_OFFS", False):
         offs = _contract.sanitize_offs(offs, p.extent)
     if module is None:
         return reference.compute(p, mat_a, mat_b, offs, bias)
@@ -109,14 +114,15 @@ def _slices(x: torch.Tensor, dim: int, bits: int, count: int) -> list:
     return out
 
 
-def float64_exactly_applies(mat_a, mat_b, bias=None) -> bool:
+def float64_exactly_applies(mat_a: torch.Tensor, mat_b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
     """Whether ``float64_exactly`` serves this problem: float64 operands with elements, all
     values finite (an inf or NaN makes the splitting's grid meaningless)."""
     return (mat_a.dtype == torch.float64 and mat_a.numel() > 0 and mat_b.numel() > 0
             and all(t is None or bool(t.isfinite().all()) for t in (mat_a, mat_b, bias)))
 
 
-def float64_exactly(bilinear, mat_a, mat_b, extra=None) -> torch.Tensor:
+def float64_exactly(bilinear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], mat_a: torch.Tensor,
+                    mat_b: torch.Tensor, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``bilinear(mat_a, mat_b)`` (+ ``extra``) as if summed in twice float64's precision, then
     rounded: for a float64 function bilinear in A and B that contracts A's last dimension with
     B's next to last (each layout of grouped_mm) and sums its products in float64 in any order.
@@ -142,7 +148,9 @@ def float64_exactly(bilinear, mat_a, mat_b, extra=None) -> torch.Tensor:
     return total + carry
 
 
-def reference_results(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+def reference_results(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Optional[torch.Tensor] = None,
+                      bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ref64, ref_same, magnitude) for ``assert_close``, from ``moe_ops.reference``: the problem
     in float64 (float64 problems with elements, all finite, as if in twice float64's precision:
     ``float64_exactly`` on the reference, see ``tolerance``), in the inputs' precision with
@@ -159,7 +167,8 @@ def reference_results(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return ref64, ref_same, mag
 
 
-def assert_close(out, ref64, ref_same, magnitude, what: str = "") -> None:
+def assert_close(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor, magnitude: torch.Tensor,
+                 what: str = "") -> None:
     """Assert out matches the float64 reference within ``tolerance``; shape and dtype exactly."""
     prefix = f"{what}: " if what else ""
     assert out.shape == ref64.shape, f"{prefix}shape {tuple(out.shape)} != {tuple(ref64.shape)}"

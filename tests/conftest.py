@@ -123,6 +123,21 @@ def unwritten_outputs_are_nan():
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
+@pytest.fixture
+def source_tree(tmp_path):
+    """A copy of the repository's sources (no git data, virtual environments, build outputs or
+    compiled modules) under tmp_path, for tests that run setup.py: its build, sdist and wheel
+    write their outputs next to setup.py, which here is not the checkout."""
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = tmp_path / "tree"
+    skip = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", "*.so",
+                                  ".hypothesis", ".pytest_cache", "bench-out")
+    shutil.copytree(root, tree, ignore=skip)
+    return tree
+
+
 def implementations():
     """pytest params, one per implementation; unavailable ones carry a skip mark with the reason."""
     status = {s.name: s for s in backends.statuses()}

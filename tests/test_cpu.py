@@ -1689,20 +1689,15 @@ def test_a_failed_rebuild_removes_the_modules_an_earlier_build_left(tmp_path):
 
 
 @pytest.mark.outside_cpp
-def test_the_sdist_holds_every_file_the_cpp_modules_include(tmp_path):
+def test_the_sdist_holds_every_file_the_cpp_modules_include(tmp_path, source_tree):
     """A source distribution builds the C++ modules: every file a source in it includes with
     #include "..." is in it too. (setuptools adds the extensions' .cpp files by itself, not their
     headers; from such an sdist the build failed and pip went on with the reference, the modules
     being optional.) The sdist is made from a copy of the tree, so nothing is written here."""
-    import shutil
     import tarfile
 
-    tree = tmp_path / "tree"
-    skip = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", "*.so",
-                                  ".hypothesis", ".pytest_cache", "bench-out")
-    shutil.copytree(REPO, tree, ignore=skip)
     r = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path / "dist")],
-                       capture_output=True, text=True, timeout=300, cwd=tree)
+                       capture_output=True, text=True, timeout=300, cwd=source_tree)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (archive,) = (tmp_path / "dist").iterdir()
     with tarfile.open(archive) as tar:

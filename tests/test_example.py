@@ -153,3 +153,58 @@ def test_readme_quickstart_is_what_ci_runs():
     block = readme.split("## Quickstart", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     test_command = [line for line in block.strip().splitlines() if "pytest" in line]
     assert len(test_command) == 1 and test_command[0] in ci.splitlines()
+
+
+# The user-facing modules: what `import moe_ops` and `moe_ops.testing` put in a user's hands.
+_TYPED_MODULES = ("moe_ops", "moe_ops._contract", "moe_ops._op", "moe_ops.reference", "moe_ops.testing",
+                  "moe_ops._batching", "moe_ops._native", "moe_ops.backends", "moe_ops.backends.cpu")
+_USER_SCRIPT = '''\
+import torch
+import moe_ops
+from moe_ops.testing import assert_close, reference_results, run_backend
+
+x, w = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(2, 4, 3, dtype=torch.bfloat16)
+offs = torch.tensor([3, 8], dtype=torch.int32)
+y: torch.Tensor = moe_ops.grouped_mm(x, w, offs, out_dtype=torch.float32)
+with moe_ops.checked():
+    r: torch.Tensor = moe_ops.reference.grouped_mm(x, w, offs)
+assert_close(run_backend("cpu", x, w, offs), *reference_results(x, w, offs))
+counts: dict[str, int] = moe_ops.kernel_counts()
+released: int = moe_ops.empty_cpu_cache() + moe_ops.cpu_huge_pages(w)
+moe_ops.grouped_mm(x, w, offs, out_dtype="float32")  # misuse: a string for a dtype
+moe_ops.grouped_mm(x, w, offs=[3, 8])  # misuse: a list for offs
+'''
+
+
+@pytest.mark.outside_cpp
+def test_the_package_is_typed_for_its_users(tmp_path, source_tree):
+    """moe_ops ships py.typed (PEP 561), so type checkers read its annotations: the wheel holds the
+    marker (built without the C++ modules from a copy of the tree), mypy finds no error in the
+    user-facing modules, and in a script that uses the API as documented it flags exactly the two
+    misuses (a str for out_dtype, a list for offs)."""
+    pytest.importorskip("mypy", reason="mypy is not installed (pip install -r requirements-test.txt)")
+    import os
+    import zipfile
+
+    r = subprocess.run([sys.executable, "setup.py", "-q", "bdist_wheel", "--dist-dir", str(tmp_path / "dist")],
+                       capture_output=True, text=True, timeout=300, cwd=source_tree,
+                       env={**os.environ, "MOE_OPS_NO_EXTENSION": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").iterdir()
+    assert "moe_ops/py.typed" in zipfile.ZipFile(wheel).namelist()
+
+    script = tmp_path / "user.py"
+    script.write_text(_USER_SCRIPT)
+
+    def mypy(*targets):  # run in the checkout, where it finds moe_ops (an editable install hides it)
+        args = ["--cache-dir", str(tmp_path / "mypy_cache"), "--follow-imports=silent", "--no-error-summary"]
+        r = subprocess.run([sys.executable, "-m", "mypy", *args, *targets], capture_output=True, text=True,
+                           timeout=600, cwd=ROOT)
+        return r.returncode, r.stdout + r.stderr
+
+    status, out = mypy(*[a for m in _TYPED_MODULES for a in ("-m", m)])
+    assert status == 0, out
+    status, out = mypy(str(script))
+    errors = [line for line in out.splitlines() if ": error:" in line]
+    assert [line.split(":")[1] for line in errors] == ["13", "14"], out
+    assert "out_dtype" in errors[0] and "offs" in errors[1], out

@@ -83,7 +83,7 @@ def env_problems(environ=os.environ) -> list:
                         "case): the instruction set is not capped")
     mb = environ.get("MOE_OPS_CPU_CACHE_MB")
     if mb and not re.fullmatch(r"\s*\d+\s*", mb, re.ASCII):
-        digits = re.match(r"\s*([+-]?\d*)", mb, re.ASCII).group(1)  # what atoll reads
+        digits = re.findall(r"\A\s*([+-]?\d*)", mb, re.ASCII)[0]  # what atoll reads (matches any string once)
         value = max(0, int(digits)) if digits.lstrip("+-") else 0
         problems.append(f"MOE_OPS_CPU_CACHE_MB={mb!r} is not a whole number of MiB: it reads as "
                         f"{value}" + (" (the output cache off)" if value == 0 else ""))
