@@ -9,7 +9,8 @@ interleaved (each round runs every peer once, in a fresh seeded random order, so
 follows the one that just pulled the same weights into cache), and each is summarized by the
 median of its rounds; the ratio is that median over the dense roofline's median (one torch.mm
 with the same M, K, N). Every peer's result is checked once against the reference first. It
-prints a table, the issue's CPU targets (with a memory floor on CPU), writes <device>.json / .md / .png into --out-dir.
+prints a table, the issue's CPU targets (with a memory floor on CPU, from the memory bandwidth
+read after each of the case's rounds), writes <device>.json / .md / .png into --out-dir.
 Timings are measurements of this machine at this moment: run on a quiet machine and repeat.
 
 Group sizes (--group-sizes): "fresh" (the default) gives every timed call of every peer its own
@@ -47,9 +48,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, 
 # Issue #6: ratio of moe_ops to the dense roofline with 2 CPU threads (a benchmark, never a test).
 TARGETS = {8: 1.10, 64: 1.30, 256: 1.60}
 WGRAD_TARGET = 1.30
-FLOOR_NOTE = ("memory floor: the G expert matrices read (fwd, dgrad) or written (wgrad) once at the bandwidth "
-              "torch's sum() / fill_() reach on buffers of their size from memory (rotating through 512 MiB), "
-              "or the dense time if longer; 'warm': at the bandwidth of one such buffer again and again (L3)")
+FLOOR_NOTE = ("memory floor: the G expert matrices read (fwd, dgrad) or written (wgrad) once at the best bandwidth "
+              "torch's sum() / fill_() reached on a buffer of their size from memory (rotating through 512 MiB), "
+              "one pass after each of the case's rounds, or the dense time if longer; 'its rounds': the "
+              "lowest, median and best of those passes; 'warm': at the bandwidth of one such buffer again "
+              "and again (L3), measured after the run")
 
 
 def _progress(items, desc):
@@ -73,13 +76,14 @@ def _check(out, ref, dtype) -> str:
 
 
 def run_case(fns: dict, sync, budget_s: float, min_reps: int, max_reps: int, before=None,
-             max_call_s: float = float("inf")) -> dict:
+             max_call_s: float = float("inf"), after_round=None) -> dict:
     """{peer: [seconds per round]}, every round in a new seeded random order. Peers slower than 10x
     the dense roofline (and 50 ms) are timed in the first 3 rounds only: they are far from the
     question asked, and at 0.1-2 s a call they would take most of the run. A peer whose warm-up
     call took more than max_call_s is not called again: that call is its one timing (ATen's
     bf16 matmul on an AVX2-only CPU took ~60 s for one G=8 input gradient). before(peer, call),
-    if given, runs untimed before each call (call 0 is the warm-up)."""
+    if given, runs untimed before each call (call 0 is the warm-up); after_round(), if given,
+    untimed after each timed round."""
     warm = {}
     for name, f in fns.items():
         if before:
@@ -105,6 +109,8 @@ def run_case(fns: dict, sync, budget_s: float, min_reps: int, max_reps: int, bef
             fns[n]()
             sync()
             times[n].append(time.perf_counter() - t0)
+        if after_round:
+            after_round()
     return times
 
 
@@ -123,7 +129,8 @@ def summarize(secs: list, fl: float) -> dict:
     q = statistics.quantiles(secs, n=4, method="inclusive") if len(secs) >= 2 else [secs[0]] * 3
     med = statistics.median(secs)
     return {"median_ms": med * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[2] * 1e3, "min_ms": min(secs) * 1e3,
-            "max_ms": max(secs) * 1e3, "rounds": len(secs), "gflops": fl / med / 1e9}
+            "max_ms": max(secs) * 1e3, "rounds": len(secs), "gflops": fl / med / 1e9,
+            "rounds_ms": [round(x * 1e3, 4) for x in secs]}
 
 
 def bench_device(dev, shapes, modes, dtypes, args) -> list:
@@ -154,8 +161,16 @@ def bench_device(dev, shapes, modes, dtypes, args) -> list:
             if name == OP:
                 entry[name]["kernel"] = ",".join(sorted(moe_ops.kernel_counts()))
             fns[name] = fn
+        # The memory floor's bandwidth, read after every round of this case: the guest's memory
+        # bandwidth moves in spells of 20-40 s (Zen 4 VM, 2026-12-07: read ~38 or ~29 GB/s), and
+        # with it the ratios of the cases that stream their weights (LOG), so a floor measured
+        # once, minutes later, could belong to another spell than the case it bounds.
+        probe = MemoryProbe(shape.G * shape.K * shape.N * dtype.itemsize, mode == "wgrad") \
+            if dev.name == "cpu" and not args.quick else None
+        probed = []
         times = run_case(fns, dev.sync, args.budget, args.min_reps, args.max_reps,
-                         _fresh_offs(t, shape, list(fns)) if args.group_sizes == "fresh" else None, args.max_call_s)
+                         _fresh_offs(t, shape, list(fns)) if args.group_sizes == "fresh" else None, args.max_call_s,
+                         (lambda: probed.append(probe())) if probe else None)
         fl = flops(shape)
         for name, secs in times.items():
             entry[name].update(summarize(secs, fl))
@@ -167,7 +182,9 @@ def bench_device(dev, shapes, modes, dtypes, args) -> list:
                      "K": shape.K, "N": shape.N, "mode": mode, "dtype": dname, "peers": entry})
         if huge is not None:
             rows[-1]["weights_in_huge_pages_bytes"] = huge
-        del t, cands, fns, ref
+        if probed:
+            rows[-1]["bandwidth_rounds_gbs"] = [round(b, 2) for b in probed]
+        del t, cands, fns, ref, probe
     return rows
 
 
@@ -184,24 +201,35 @@ def expert_bytes(r: dict) -> int:
 COLD_BYTES = 512 << 20
 
 
-def memory_bandwidth(nbytes: int, write: bool, cold: bool = False) -> float:
-    """GB/s of torch's sum() (read) or fill_() (write, to memory already mapped) over fp32
-    buffers of `nbytes`, best of the passes. Warm: one buffer, 8 passes in a row, so a set that
-    fits stays in the L3. Cold: passes rotate over enough buffers (COLD_BYTES in all, at least
-    4) that each comes from memory, as the benchmark's weights do: the peers timed between two
-    calls of one implementation write hundreds of MB."""
-    n = max(nbytes // 4, 1)
-    bufs = [torch.ones(n) for _ in range(max(4, -(-COLD_BYTES // (n * 4))) if cold else 1)]
-    best = float("inf")
-    for i in range(2 * len(bufs) if cold else 8):
-        buf = bufs[i % len(bufs)]
+class MemoryProbe:
+    """GB/s of one pass of torch's sum() (read) or fill_() (write, to memory already mapped) over
+    fp32 buffers of `nbytes`, the next buffer at each call. Cold (the default): the calls rotate
+    over enough buffers (COLD_BYTES in all, at least 4) that each comes from memory, as the
+    benchmark's weights do (the peers timed between two calls of one implementation write
+    hundreds of MB); warm: one buffer, so a set that fits stays in the L3."""
+
+    def __init__(self, nbytes: int, write: bool, cold: bool = True):
+        n = max(nbytes // 4, 1)
+        self.write = write
+        self.buffers = [torch.ones(n) for _ in range(max(4, -(-COLD_BYTES // (n * 4))) if cold else 1)]
+        self.calls = 0
+
+    def __call__(self) -> float:
+        buf = self.buffers[self.calls % len(self.buffers)]
+        self.calls += 1
         t0 = time.perf_counter()
-        if write:
+        if self.write:
             buf.fill_(2.0)
         else:
             buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    return n * 4 / best / 1e9
+        return buf.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
+def warm_bandwidth(nbytes: int, write: bool) -> float:
+    """The best GB/s of 8 passes of a warm MemoryProbe(nbytes, write) (one buffer, again and
+    again: from the L3 where it fits)."""
+    probe = MemoryProbe(nbytes, write, cold=False)
+    return max(probe() for _ in range(8))
 
 
 def floor_ratio(r: dict, gbs: float) -> float:
@@ -227,8 +255,12 @@ def targets(rows: list) -> str:
                          f"({op.get('note', 'no result')}), target <= {goal:.2f}: MISSED")
             continue
         verdict = "met" if op["ratio"] <= goal else "MISSED"
-        floor = (f"; memory floor x{r['memory_floor']:.2f} ({r['bandwidth_gbs']:.0f} GB/s; warm "
-                 f"x{r['memory_floor_warm']:.2f}, {r['bandwidth_warm_gbs']:.0f} GB/s)" if "memory_floor" in r else "")
+        floor = ""
+        if "memory_floor" in r:
+            bw = r["bandwidth_rounds_gbs"]
+            floor = (f"; memory floor x{r['memory_floor']:.2f} ({r['bandwidth_gbs']:.0f} GB/s; its rounds "
+                     f"{min(bw):.0f}-{statistics.median(bw):.0f}-{r['bandwidth_gbs']:.0f} GB/s; warm "
+                     f"x{r['memory_floor_warm']:.2f}, {r['bandwidth_warm_gbs']:.0f} GB/s)")
         vs = ""
         d32 = r["peers"].get(DENSE_FP32, {})
         if "median_ms" in d32:
@@ -316,11 +348,10 @@ def main(argv=None) -> int:
         rows = bench_device(dev, shapes, modes, dtypes, args)
         if dev.name == "cpu" and not args.quick:
             for r in rows:
-                if "median_ms" in r["peers"][DENSE]:
-                    write = r["mode"] == "wgrad"
-                    r["bandwidth_gbs"] = memory_bandwidth(expert_bytes(r), write, cold=True)
+                if "median_ms" in r["peers"][DENSE] and r.get("bandwidth_rounds_gbs"):
+                    r["bandwidth_gbs"] = max(r["bandwidth_rounds_gbs"])
                     r["memory_floor"] = floor_ratio(r, r["bandwidth_gbs"])
-                    r["bandwidth_warm_gbs"] = memory_bandwidth(expert_bytes(r), write)
+                    r["bandwidth_warm_gbs"] = warm_bandwidth(expert_bytes(r), r["mode"] == "wgrad")
                     r["memory_floor_warm"] = floor_ratio(r, r["bandwidth_warm_gbs"])
         meta = {"device": desc, "torch": torch.__version__, "moe_ops": moe_ops.__version__,
                 "commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

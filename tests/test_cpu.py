@@ -1975,9 +1975,16 @@ def test_benchmark_memory_floor():
     assert bench.floor_ratio({**row, "peers": {"dense torch.mm": {"median_ms": 5.0}}}, 4.194304) == 1.0
     # Only that a rate comes back: no lower bound, which is a timing assertion (a reviewer's
     # run under a load of 5.5 took 8-12 ms for 1 MiB, under the 0.1 GB/s this test once asked).
-    assert 0 < bench.memory_bandwidth(1 << 20, write=False) < 1e4
-    assert 0 < bench.memory_bandwidth(1 << 20, write=True) < 1e4
-    assert 0 < bench.memory_bandwidth(64 << 20, write=False, cold=True) < 1e4
+    assert 0 < bench.warm_bandwidth(1 << 20, write=False) < 1e4
+    assert 0 < bench.warm_bandwidth(1 << 20, write=True) < 1e4
+    # The per-round probe reads (or writes) the next of its buffers at every call, through more
+    # than COLD_BYTES in all, so that no pass finds its buffer in the L3 of a machine of this class.
+    probe = bench.MemoryProbe(64 << 20, write=True)
+    assert len(probe.buffers) * (64 << 20) >= bench.COLD_BYTES and len(probe.buffers) >= 4
+    rates = [probe() for _ in range(len(probe.buffers) + 1)]
+    assert all(0 < x < 1e4 for x in rates)
+    assert all(float(b[0]) == float(b[-1]) == 2.0 for b in probe.buffers)  # each was written
+    assert len(bench.MemoryProbe(1 << 20, write=False, cold=False).buffers) == 1
 
 
 @pytest.mark.outside_cpp
@@ -2034,7 +2041,8 @@ def test_benchmark_group_sizes_are_dirichlet_and_fresh_per_peer_and_call(monkeyp
 def test_benchmark_rounds_interleave_the_peers(monkeypatch):
     """bench.run_case: one untimed-order warm-up call per peer, then every round calls every
     peer once in an order of its own (seeded), with before(peer, call) run just before each
-    call (call 0: the warm-up); each peer gets one time per round, the warm-up not among them.
+    call (call 0: the warm-up), and after_round() after each round; each peer gets one time per
+    round, the warm-up not among them.
     Peers that do nothing, so none is slow."""
     monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
     import bench
@@ -2042,8 +2050,12 @@ def test_benchmark_rounds_interleave_the_peers(monkeypatch):
     log = []
     # No dense roofline among them: then no peer counts as slow (3 rounds only), whatever the load.
     fns = {n: (lambda n=n: log.append(("call", n))) for n in ("o", "p", "q", "r")}
-    times = bench.run_case(fns, lambda: None, 0.0, 6, 6, before=lambda n, c: log.append((n, c)))
+    times = bench.run_case(fns, lambda: None, 0.0, 6, 6, before=lambda n, c: log.append((n, c)),
+                           after_round=lambda: log.append(("round", None)))
     assert {n: len(s) for n, s in times.items()} == dict.fromkeys(fns, 6)
+    # after_round once after each timed round's last call (not after the warm-up calls).
+    assert [i for i, e in enumerate(log) if e[0] == "round"] == [8 * (r + 2) + r for r in range(6)]
+    log[:] = [e for e in log if e[0] != "round"]
     assert len(log) == 2 * 4 * 7
     befores, calls = log[0::2], log[1::2]
     assert all(c == ("call", n) for (n, _), c in zip(befores, calls))
@@ -2135,7 +2147,7 @@ def test_benchmark_case_rows_publish_ratios_to_the_dense_median(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     args = argparse.Namespace(budget=0.0, min_reps=2, max_reps=2, group_sizes="fresh",
-                              max_call_s=60.0, huge_page_weights=False, with_jax=False)
+                              max_call_s=60.0, huge_page_weights=False, with_jax=False, quick=False)
     shapes = [Shape("a", 4, 64, 32, 48, "test"), Shape("b", 8, 64, 32, 48, "test")]
     rows = bench.bench_device(dev, shapes, ["fwd", "wgrad"], ["fp32", "bf16"], args)
     assert len(rows) == 8
@@ -2146,6 +2158,7 @@ def test_benchmark_case_rows_publish_ratios_to_the_dense_median(monkeypatch):
         for name in (bench.OP, bench.REFERENCE, peers_mod.LOOP, peers_mod.PADDED):
             assert "median_ms" in ps[name], (name, ps[name])
         assert ps[bench.OP]["kernel"].startswith("cpu:")
+        assert len(row["bandwidth_rounds_gbs"]) == 2  # the memory probe after each of the 2 rounds
         dense = ps[bench.DENSE]["median_ms"]
         assert ps[bench.DENSE]["ratio"] == 1.0
         assert (bench.DENSE_FP32 in ps) == (row["dtype"] == "bf16")
