@@ -1196,6 +1196,44 @@ def test_swapped_scheme_sums_to_c_as_through_its_workspace(K, level):
 
 
 @needs_cache
+@pytest.mark.parametrize("nbytes", [64 << 10, 9 << 20], ids=["malloc", "cache block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_new_outputs_are_nan_under_deterministic_algorithms(dtype, nbytes):
+    """The memory grouped_mm writes its output into (torch.ops.moe_cpu.new_output) is NaN under
+    torch.use_deterministic_algorithms(True) with fill_uninitialized_memory, as torch.empty is:
+    the guard that makes an element a kernel misses fail the tests that run so (fixture
+    unwritten_outputs_are_nan) instead of passing with what an earlier output left there. Also
+    when the memory comes back from the output cache (9 MiB) holding ones, which without the
+    fill (deterministic off, or the fill turned off) the new output still shows, so the block is
+    the one written and the NaN is the fill's; outputs of 64 KiB come from torch's allocator
+    (malloc), where only the NaN is checked."""
+    import torch.utils.deterministic as det
+
+    size = [nbytes // dtype.itemsize]
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = det.fill_uninitialized_memory
+    try:
+        for deterministic, fills in ((False, True), (True, False), (True, True)):
+            torch.use_deterministic_algorithms(deterministic)
+            det.fill_uninitialized_memory = fills
+            moe_ops.empty_cpu_cache()
+            first = torch.ops.moe_cpu.new_output(size, dtype)
+            assert first.dtype == dtype and first.shape == tuple(size)
+            first.fill_(1.0)
+            ptr = first.data_ptr()
+            del first
+            out = torch.ops.moe_cpu.new_output(size, dtype)
+            if deterministic and fills:
+                assert out.isnan().all(), f"{dtype}, {nbytes} bytes: not NaN"
+            elif nbytes >= 8 << 20:  # (malloc keeps its free lists in the first bytes of a freed chunk)
+                assert out.data_ptr() == ptr, "the output cache did not hand the freed block back"
+                assert (out == 1).all(), f"{dtype}, {nbytes} bytes: written without the fill asked"
+    finally:
+        det.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+@needs_cache
 def test_output_cache_keeps_freed_blocks_within_its_limit_and_empties():
     """Blocks of freed large outputs are kept (up to the limit) and handed out again (a block
     left full of NaN is overwritten completely, empty groups included); smaller outputs do not

@@ -749,6 +749,10 @@ void register_ops() {
   // the free blocks and returns how many bytes that released.
   def->def("cache_info() -> int[]", &cache_info);
   def->def("empty_cache() -> int", &cache_empty);
+  // The allocation grouped_mm writes its output into, unwritten: tests check that it is NaN under
+  // deterministic algorithms, the guard that makes an element a kernel misses fail the tests.
+  def->def("new_output(int[] size, ScalarType dtype) -> Tensor",
+           [](at::IntArrayRef size, at::ScalarType dtype) { return new_output(size, at::TensorOptions().dtype(dtype)); });
   auto* cpu = new torch::Library(torch::Library::IMPL, "moe_cpu", c10::DispatchKey::CPU, __FILE__, __LINE__);
   cpu->impl("grouped_mm", &grouped_mm);
 }
