@@ -161,12 +161,13 @@ def bench_device(dev, shapes, modes, dtypes, args) -> list:
             if name == OP:
                 entry[name]["kernel"] = ",".join(sorted(moe_ops.kernel_counts()))
             fns[name] = fn
+        row = {"device": dev.name, "shape": shape.name, "source": shape.source, "G": shape.G, "M": shape.M,
+               "K": shape.K, "N": shape.N, "mode": mode, "dtype": dname, "peers": entry}
         # The memory floor's bandwidth, read after every round of this case: the guest's memory
         # bandwidth moves in spells of 20-40 s (Zen 4 VM, 2026-12-07: read ~38 or ~29 GB/s), and
         # with it the ratios of the cases that stream their weights (LOG), so a floor measured
         # once, minutes later, could belong to another spell than the case it bounds.
-        probe = MemoryProbe(shape.G * shape.K * shape.N * dtype.itemsize, mode == "wgrad") \
-            if dev.name == "cpu" and not args.quick else None
+        probe = MemoryProbe(expert_bytes(row), mode == "wgrad") if dev.name == "cpu" and not args.quick else None
         probed = []
         times = run_case(fns, dev.sync, args.budget, args.min_reps, args.max_reps,
                          _fresh_offs(t, shape, list(fns)) if args.group_sizes == "fresh" else None, args.max_call_s,
@@ -178,12 +179,11 @@ def bench_device(dev, shapes, modes, dtypes, args) -> list:
         for p in entry.values():
             if "median_ms" in p:
                 p["ratio"] = p["median_ms"] / dense
-        rows.append({"device": dev.name, "shape": shape.name, "source": shape.source, "G": shape.G, "M": shape.M,
-                     "K": shape.K, "N": shape.N, "mode": mode, "dtype": dname, "peers": entry})
         if huge is not None:
-            rows[-1]["weights_in_huge_pages_bytes"] = huge
+            row["weights_in_huge_pages_bytes"] = huge
         if probed:
-            rows[-1]["bandwidth_rounds_gbs"] = [round(b, 2) for b in probed]
+            row["bandwidth_rounds_gbs"] = [round(b, 2) for b in probed]
+        rows.append(row)
         del t, cands, fns, ref, probe
     return rows
 
