@@ -491,10 +491,10 @@ def test_bf16_kernels_on_row_and_column_edges(level, K):
     three schemes, with K % 8 of 0, 1, 3, 6 and 7 (the swapped schemes read the last 4 or 8 k of
     a row of W masked). [G, K, N] (n-contiguous): row pairs interleaved in column order (K < 128)
     or within 128-bit lanes and restored at the store (K >= 128), K odd (the last pair has no
-    second row). Groups of 1-4 rows (the swapped schemes' one vector of 4 rows; the direct one's
-    dot products), of 5-49 rows (the 256-bit swapped scheme's vectors of 2 rows, in blocks of 2, 4
-    and 6 rows, the 512-bit one's of 4 in blocks of 4, 8 and 12, the direct one's of 6, and
-    remainders), of 67 and 70 rows and one of 300 (cut into several items; the swapped schemes'
+    second row). Groups of 1-4 rows (the swapped schemes' one vector of 4 rows, but the 256-bit
+    one's vectors of 2 from 3 rows; the direct one's dot products), of 5-49 rows (the 256-bit
+    swapped scheme's vectors of 2 rows, in blocks of 2, 4 and 6 rows, the 512-bit one's of 4 in
+    blocks of 4, 8 and 12, the direct one's of 6, and remainders), of 67 and 70 rows and one of 300 (cut into several items; the swapped schemes'
     vectors of 4 rows, in blocks of 4, 8 and 12, partial ones), 1-45 columns (blocks of 8, 16, 32 and 64 columns, partial ones), within one block of k
     and over it, with a bias and both output dtypes. Every row of W is followed by a NaN in
     memory: a read past a row would put NaN into the output."""
@@ -1172,9 +1172,10 @@ def test_swapped_scheme_sums_to_c_as_through_its_workspace(K, level):
     block reused from the output cache) still takes them through the workspace (and, with 256-bit
     vectors of 4 rows, the 16 x 16 transposing store). Both must give the same bits: over one and
     two k blocks (K = 1030, with the partial sums of the first added in the second), groups of
-    1-4 rows (one vector of 4 rows), 5-17 (256-bit: vectors of 2) and one of 8133 (vectors of 4), N = 520
-    (a slice of 8 columns: half a 16-column block), a bias and both output dtypes. The two paths'
-    agreement with the oracle is tested above (edges, large outputs); here the bits."""
+    1-4 rows (one vector of 4 rows; 256-bit from 3 rows: vectors of 2), 5-17 (256-bit: vectors of 2)
+    and one of 8133 (vectors of 4), N = 520 (a slice of 8 columns: half a 16-column block), a bias
+    and both output dtypes. The two paths' agreement with the oracle is tested above (edges, large
+    outputs); here the bits."""
     if not has_level(level):
         pytest.skip(f"this CPU has no avx512_bf16 (best: {torch.ops.moe_cpu.machine()})")
     gen = torch.Generator().manual_seed(K)

@@ -1988,7 +1988,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
 // W (its 4 bf16 of k = 4q .. 4q + 3) meets each row's own 4 k, and the two lanes of a row are
 // added at the end. The price is a group's rows rounded up to a multiple of 4 (1.5 rows per
 // group on average; with 8 rows per vector, one pair each, it was 3.5, and G=256 with equal
-// groups of 12 rows took as long as with 16); groups of 5 to kVbsPairRowsBelow - 1 rows take
+// groups of 12 rows took as long as with 16); groups of 3 to kVbsPairRowsBelow - 1 rows take
 // vectors of 2 rows x 4 pairs instead (lanes 4i .. 4i + 3: row i, pairs 4q .. 4q + 3, against a
 // broadcast 128-bit piece of W), rounded up to 2 (VR, the rows per vector, is a template
 // parameter of the functions below). On CPUs that split 512-bit operations into two
@@ -2324,10 +2324,10 @@ int64_t vbs_vectors(int64_t left) {
   return v == 4 || v == 2 ? 2 : imin(3, v);
 }
 
-// Groups of 1-4 rows (decode) take this scheme too, one vector of 4 rows by 16 rows of W, unless
-// the rows of W are a multiple of 4 KiB apart (K = 2048, 4096, ...): the 16 rows read side by
-// side then fall into the same L1 set (8 ways) and evict each other, and gemv_item (4 rows side by
-// side) reads faster. Measured on the Zen 4 VM (2 threads, bf16, one process alternating,
+// Groups of 1-4 rows (decode) take this scheme too (1-2 rows one vector of 4 rows by 16 rows of
+// W, 3-4 rows vectors of 2: see vbs_pair_rows), unless the rows of W are a multiple of 4 KiB
+// apart (K = 2048, 4096, ...): the 16 rows read side by side then fall into the same L1 set (8
+// ways) and evict each other, and gemv_item (4 rows side by side) reads faster. Measured on the Zen 4 VM (2 threads, bf16, one process alternating,
 // 2026-12-01), gemv_item -> this: every group of G=256, K=512, N=256 read, groups of 1 / 4 rows
 // 3.99 / 5.04 -> 2.60 / 2.68 ms (17 -> 26 GB/s of weights); G=64, K=1024, N=1024 6.98 / 9.47 ->
 // 4.33 / 4.99 ms; the G=256 forward (Dirichlet sizes, a fifth of the groups of 1-4 rows)
@@ -2502,12 +2502,26 @@ void vbs_item(const Task& t, const Item& it, void* ws) {
 // 13); G=64, M=2048, K=N=512 3.31 -> 3.29 / 3.28 ms; Qwen3-30B-A3B /4 2.59 -> 2.53, 2.71 -> 2.66
 // ms; GPT-OSS-20B /4 6.50 -> 6.36, 6.54 -> 6.33 ms; DeepSeek-V3 /16, OLMoE /2, G=8 and Mixtral
 // /4 level (groups of 1-4 rows on 2-row vectors too then). With the cut at 48 rows: the same
-// within the noise. Groups of 1-4 rows (decode) keep one vector of 4 rows, as measured for decode
-// (see vbs_task; at G=256 with Dirichlet sizes level either way): with vectors of 2, benchmarks/
-// decode.py's GPT-OSS-20B at 1 token measured 3501-3782 against 3452-3546 us (three runs each,
-// a slow hour of the host), DeepSeek-V3 /4 level.
+// within the noise. Groups of 3 and 4 rows take them too (since 2026-12-07): one vector of 4 rows
+// x 4 k against 16 rows of W loads W 16 times per 16 VDPBF16PS, two vectors of 2 rows x 8 k
+// against 8 rows 8 times, and where the weights come from cache that is the time: measured on
+// the Zen 4 VM (2 threads, forward, [G, N, K] weights, one process alternating, caches flushed,
+// 12-24 rounds, medians, 2026-12-07), one vector of 4 -> two of 2: one weight matrix for all
+// groups (in cache), M=4096, K=512, N=256, groups of 4 / 3 rows 5.79 / 6.66 -> 3.88 / 4.73 ms
+// (dense 2.80-2.96), G=1024 with Dirichlet sizes 4.96 -> 4.69 ms, G=512, M=2048, K=N=1024 18.22
+// -> 17.03 ms; with the weights read (memory-bound) level: groups of 4 9.19 / 8.01 / 38.59 ->
+// 9.04 / 8.01 / 39.44 ms (the last at K=1024, N=512), of 3 14.56 -> 14.74 ms, G=1024 Dirichlet
+// 8.96 -> 8.97 ms, the G=256 / G=64 forward 4.72 / 3.99 -> 4.77 / 4.04 ms and 5.62 ->
+// 5.59 ms; decode (routed as benchmarks/decode.py routes, 16 / 32 tokens) GPT-OSS-20B 16.70 /
+// 17.93 -> 16.39 / 18.90 ms, DeepSeek-V3 /4 6.89 / 11.54 -> 6.97 / 11.22 ms (OLMoE, Qwen3-30B-A3B
+// and Mixtral: K = 2048 / 4096, so gemv_item). Groups of 1-2 rows keep one vector of 4 rows: with
+// vectors of 2, twice as fast from cache (groups of 1 / 2 rows 24.69 / 10.72 -> 15.64 / 6.67 ms)
+// but 4.7% slower read (groups of 2: 20.92 -> 21.90 ms) and in decode, which is read: 4 tokens
+// GPT-OSS-20B 7.93 -> 8.29 ms, the rest level (as on 2026-12-01: 1 token GPT-OSS-20B 3501-3782
+// against 3452-3546 us, three runs each, DeepSeek-V3 /4 level).
+constexpr int64_t kVbsPairRowsFrom = 3;
 constexpr int64_t kVbsPairRowsBelow = 64;
-bool vbs_pair_rows(const Task& t) { return t.m > kGemvRows && t.m < kVbsPairRowsBelow; }
+bool vbs_pair_rows(const Task& t) { return t.m >= kVbsPairRowsFrom && t.m < kVbsPairRowsBelow; }
 
 bool uses_amx(Isa isa, Dt in) { return isa == Isa::amx && in == Dt::bf16; }
 bool uses_pairs(Isa isa, Dt in) { return isa == Isa::avx512bf16 && in == Dt::bf16; }
