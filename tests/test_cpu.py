@@ -665,6 +665,40 @@ def test_swapped_groups_of_up_to_four_rows_by_weight_row_stride(row_bytes, level
             assert not same, f"rows of W {row_bytes} B apart: the dot products"
 
 
+@pytest.mark.parametrize("N", [520, 1030])
+@pytest.mark.parametrize("level", ("avx512_bf16",) + SWAPPED)
+def test_bf16_pairs_take_groups_of_3_and_4_rows_blocked_where_a_row_of_w_fits_a_slab(level, N):
+    """AVX512-BF16, n-contiguous weights ([G, K, N]): groups of 3 and 4 rows take the blocked
+    kernel (VDPBF16PS on pairs of k) where a row of W fits one of its slabs (N <= 1024), and the
+    rows of W streamed into fp32 sums where it does not; groups of 1 and 2 rows always the
+    latter. The blocked kernel sums a row in one order whatever its group's size, so there a
+    group's rows equal, bit for bit, the same rows at the head of a group of 6 (blocked) with the
+    same W and bias; on the streamed kernel they differ (fp32 outputs, 300 products a sum, summed
+    in another order). Against the oracle too, on 1-3 threads."""
+    if not has_level(level):
+        pytest.skip(f"this CPU has no avx512_bf16 (best: {torch.ops.moe_cpu.machine()})")
+    gen = torch.Generator().manual_seed(N)
+    K = 300
+    head = torch.randn(4, K, generator=gen).bfloat16()
+    w = torch.randn(K, N, generator=gen).bfloat16()
+    bias = torch.randn(N, generator=gen).bfloat16()
+    sizes, rows = [], []
+    for s in (1, 2, 3, 4):  # a group of s rows, then the same rows and 6 - s others
+        sizes += [s, 6]
+        rows += [head[:s], head[:s], torch.randn(6 - s, K, generator=gen).bfloat16()]
+    a = torch.cat(rows)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    b = w.expand(len(sizes), K, N)
+    args = (a, b, offs, bias.expand(len(sizes), N), torch.float32)
+    out = run_any_threads(args, level)
+    check(out, *args, what=f"{level} N={N}")
+    starts = [0, *offs.tolist()]
+    for g, s in enumerate((1, 2, 3, 4)):
+        alone, in_six = out[starts[2 * g]:starts[2 * g] + s], out[starts[2 * g + 1]:starts[2 * g + 1] + s]
+        blocked = s >= 3 and N <= 1024
+        assert torch.equal(alone, in_six) == blocked, f"{level} N={N}: a group of {s} rows, blocked expected: {blocked}"
+
+
 @pytest.mark.parametrize("level", SWAPPED)
 @pytest.mark.parametrize("K", [2048, 2045])
 def test_swapped_scheme_stages_rows_of_w_4_kib_apart(K, level):

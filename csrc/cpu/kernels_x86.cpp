@@ -463,7 +463,28 @@ constexpr int64_t kGemvtPrefetchBelow = 16 * 1024;
 // threshold above with these prefetches: bf16 Mixtral 5.68 -> 5.18 ms, fp32 14.13 -> 15.04 ms.
 constexpr int64_t kGemvtAheadBytes = 16 * 1024;
 
-bool gemvt_task(const Task& t) { return t.b_sn == 1 && t.b_sk != 1 && t.m <= kGemvRows; }
+constexpr int64_t kWideCols = 1024;  // widest block of B rows fma_item packs at once
+
+// With VB (bf16 pairs: AVX512-BF16 without AMX) groups of 3 and 4 rows take the blocked kernel
+// instead where a row of W fits in one of its slabs (N <= kWideCols, so that it reads W as whole
+// rows, in memory order): there it sums pairs with VDPBF16PS where this kernel converts W to fp32
+// for FMAs. Measured on the Zen 4 VM (2 threads, [G, K, N] weights, one process alternating,
+// caches flushed, 12-30 rounds, medians, 2026-12-07), this -> blocked: M=4096, K=256, N=512,
+// groups of 4 / 3 rows from cache (one W for all) 8.44 / 9.11 -> 5.76 / 6.47 ms, read 15.69 /
+// 15.19 -> 13.51 / 13.22 ms; the G=256 input gradient (Dirichlet sizes) 5.03 / 6.56 /
+// 5.00 / 5.27 -> 4.76 / 6.14 / 4.81 / 5.10 ms (four runs), G=64 and the model shapes' input
+// gradients level; decode (routed as benchmarks/decode.py routes, [G, K, N] weights, 16 / 32
+// tokens) level: OLMoE-1B-7B 8.20 / 12.15 -> 8.15 / 11.60 ms, Qwen3-30B-A3B 10.40 / 11.27 -> 10.09
+// / 11.63 ms, DeepSeek-V3 /4 8.11 / 8.93 -> 8.28 / 9.22 ms. With wider rows (slabs of part of a
+// row) the blocked kernel was slower: GPT-OSS-20B (N = 2880) 18.21 / 26.21 -> 22.56 / 33.54 ms,
+// Mixtral (N = 14336) 60.22 -> 71.22 ms at 16 tokens; and for groups of 1 / 2 rows (read) 29.78 /
+// 21.76 -> 35.60 / 21.11 ms. fp32 keeps this kernel for 1-4 rows (groups of 4 from cache 7.80 ->
+// 8.44 ms on the blocked one, read 21.03 -> 20.60 ms).
+constexpr int64_t kGemvtPairsRows = 2;
+bool gemvt_task(const Task& t, bool pairs) {
+  const int64_t rows = pairs && t.n <= kWideCols ? kGemvtPairsRows : kGemvRows;
+  return t.b_sn == 1 && t.b_sk != 1 && t.m <= rows;
+}
 
 // Rows k0 .. k0 + KB - 1 of W added into y: KB rows streamed side by side, y read and written
 // once per KB rows; each element still sums its k in order (one fma per row, in registers).
@@ -987,7 +1008,7 @@ void amx_item(const Task& t, const Item& it, void* ws) {
     gemv_item<Dt::bf16, O>(t, it, ws);
     return;
   }
-  if (gemvt_task(t)) {
+  if (gemvt_task(t, false)) {
     gemvt_item<Dt::bf16, O>(t, it, ws);
     return;
   }
@@ -1732,7 +1753,6 @@ bool kmajor_a(const Task& t, int64_t rows, int64_t s) { return s == 4 && t.a_sm 
 constexpr int64_t kPartBytes = 256 * 1024;  // partial sums of one item's C block (L2)
 constexpr int64_t kWindowRows = 16;          // rows of A per slab of B prefetched ahead (fma_item)
 constexpr int64_t kWindowBytes = 512 * 1024;  // the farthest fma_item prefetches past its slab
-constexpr int64_t kWideCols = 1024;          // widest block of B rows packed at once
 // gemvt_item's sums (y) fit in the room fma_workspace keeps for the packed B.
 static_assert(kGemvRows * kGemvtCols + 64 <= kKC * kWideCols, "gemvt_item's sums fit in the FMA workspace");
 
@@ -1808,7 +1828,7 @@ void fma_item(const Task& t, const Item& it, void* ws) {
       gemv_item<D, O>(t, it, ws);
       return;
     }
-    if (gemvt_task(t)) {
+    if (gemvt_task(t, VT::kPairs)) {
       gemvt_item<D, O>(t, it, ws);
       return;
     }
@@ -2544,7 +2564,7 @@ int64_t max_item_rows(Isa isa, Dt in, const Task& task) {
 }
 
 bool whole_row_items(Isa isa, Dt in, const Task& task) {
-  return isa != Isa::generic && in != Dt::f64 && gemvt_task(task);
+  return isa != Isa::generic && in != Dt::f64 && gemvt_task(task, uses_pairs(isa, in));
 }
 
 int64_t workspace_bytes(Isa isa, Dt in, const Task& task) {
