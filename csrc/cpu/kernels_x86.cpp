@@ -2344,18 +2344,18 @@ int64_t vbs_vectors(int64_t left) {
   return v == 4 || v == 2 ? 2 : imin(3, v);
 }
 
-// Groups of 1-4 rows (decode) take this scheme too (1-2 rows one vector of 4 rows by 16 rows of
-// W, 3-4 rows vectors of 2: see vbs_pair_rows), unless the rows of W are a multiple of 4 KiB
-// apart (K = 2048, 4096, ...): the 16 rows read side by side then fall into the same L1 set (8
-// ways) and evict each other, and gemv_item (4 rows side by side) reads faster. Measured on the Zen 4 VM (2 threads, bf16, one process alternating,
-// 2026-12-01), gemv_item -> this: every group of G=256, K=512, N=256 read, groups of 1 / 4 rows
-// 3.99 / 5.04 -> 2.60 / 2.68 ms (17 -> 26 GB/s of weights); G=64, K=1024, N=1024 6.98 / 9.47 ->
-// 4.33 / 4.99 ms; the G=256 forward (Dirichlet sizes, a fifth of the groups of 1-4 rows)
-// 4.59 -> 3.98 ms, G=64 3.63 -> 3.44 ms, DeepSeek-V3 /16 2.50 -> 2.23 ms, Qwen3-30B-A3B /4 3.22 ->
-// 3.08 ms; decode (benchmarks/decode.py's [G, N, K] cases, 1 / 4 tokens) GPT-OSS-20B 2.74 / 9.53
-// -> 2.25 / 7.66 ms, DeepSeek-V3 /4 0.75 / 2.40 -> 0.62 / 1.92 ms. At K = 2048 / 4096 (4 / 8 KiB
-// rows) it was 30-48% slower (OLMoE, Qwen3-30B-A3B, Mixtral decode) and with every row of W
-// padded by 64 bytes level or faster: so those keep gemv_item.
+// Groups of 1-4 rows (decode) take this scheme too (1-2 rows one vector of 4 rows by 16 rows of W,
+// 3-4 rows vectors of 2: see vbs_pair_rows), unless the rows of W are a multiple of 4 KiB apart
+// (K = 2048, 4096, ...): the 16 rows read side by side then fall into the same L1 set (8 ways) and
+// evict each other, and gemv_item (4 rows side by side) reads faster. Measured on the Zen 4 VM (2
+// threads, bf16, one process alternating, 2026-12-01), gemv_item -> this: every group of G=256,
+// K=512, N=256 read, groups of 1 / 4 rows 3.99 / 5.04 -> 2.60 / 2.68 ms (17 -> 26 GB/s of weights);
+// G=64, K=1024, N=1024 6.98 / 9.47 -> 4.33 / 4.99 ms; the G=256 forward (Dirichlet sizes, a
+// fifth of the groups of 1-4 rows) 4.59 -> 3.98 ms, G=64 3.63 -> 3.44 ms, DeepSeek-V3 /16 2.50 ->
+// 2.23 ms, Qwen3-30B-A3B /4 3.22 -> 3.08 ms; decode (benchmarks/decode.py's [G, N, K] cases, 1 / 4
+// tokens) GPT-OSS-20B 2.74 / 9.53 -> 2.25 / 7.66 ms, DeepSeek-V3 /4 0.75 / 2.40 -> 0.62 / 1.92 ms.
+// At K = 2048 / 4096 (4 / 8 KiB rows) it was 30-48% slower (OLMoE, Qwen3-30B-A3B, Mixtral decode)
+// and with every row of W padded by 64 bytes level or faster: so those keep gemv_item.
 // Whether bf16 rows of W are a multiple of 4 KiB apart, so that at one k they all fall into one
 // L1 set (see vbs_task and kVbsStageStride).
 bool w_rows_share_l1_set(const Task& t) { return (t.b_sn * 2) % 4096 == 0; }
