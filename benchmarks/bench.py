@@ -346,13 +346,12 @@ def main(argv=None) -> int:
         print(f"[{dev.name}] {desc}; torch {torch.__version__}; moe_ops {moe_ops.__version__}")
         t0 = time.time()
         rows = bench_device(dev, shapes, modes, dtypes, args)
-        if dev.name == "cpu" and not args.quick:
-            for r in rows:
-                if "median_ms" in r["peers"][DENSE] and r.get("bandwidth_rounds_gbs"):
-                    r["bandwidth_gbs"] = max(r["bandwidth_rounds_gbs"])
-                    r["memory_floor"] = floor_ratio(r, r["bandwidth_gbs"])
-                    r["bandwidth_warm_gbs"] = warm_bandwidth(expert_bytes(r), r["mode"] == "wgrad")
-                    r["memory_floor_warm"] = floor_ratio(r, r["bandwidth_warm_gbs"])
+        for r in rows:  # the cases bench_device probed (CPU, not --quick)
+            if "median_ms" in r["peers"][DENSE] and r.get("bandwidth_rounds_gbs"):
+                r["bandwidth_gbs"] = max(r["bandwidth_rounds_gbs"])
+                r["memory_floor"] = floor_ratio(r, r["bandwidth_gbs"])
+                r["bandwidth_warm_gbs"] = warm_bandwidth(expert_bytes(r), r["mode"] == "wgrad")
+                r["memory_floor_warm"] = floor_ratio(r, r["bandwidth_warm_gbs"])
         meta = {"device": desc, "torch": torch.__version__, "moe_ops": moe_ops.__version__,
                 "commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "python": platform.python_version(), "threads": torch.get_num_threads(),
