@@ -487,17 +487,18 @@ def test_weight_gradient_x_transposed_is_packed_k_major(isa, dtype):
 @pytest.mark.parametrize("K", [1, 31, 127, 128, 257, 515, 1030])
 @pytest.mark.parametrize("level", machine_levels(("avx512_bf16",) + SWAPPED))
 def test_bf16_kernels_on_row_and_column_edges(level, K):
-    """The AVX512-BF16 kernels on both weight layouts. [G, N, K] transposed (k-contiguous): the
-    three schemes, with K % 8 of 0, 1, 3, 6 and 7 (the swapped schemes read the last 4 or 8 k of
-    a row of W masked). [G, K, N] (n-contiguous): row pairs interleaved in column order (K < 128)
-    or within 128-bit lanes and restored at the store (K >= 128), K odd (the last pair has no
-    second row). Groups of 1-4 rows (the swapped schemes' one vector of 4 rows, but the 256-bit
-    one's vectors of 2 from 3 rows; the direct one's dot products), of 5-49 rows (the 256-bit
-    swapped scheme's vectors of 2 rows, in blocks of 2, 4 and 6 rows, the 512-bit one's of 4 in
-    blocks of 4, 8 and 12, the direct one's of 6, and remainders), of 67 and 70 rows and one of 300 (cut into several items; the swapped schemes'
-    vectors of 4 rows, in blocks of 4, 8 and 12, partial ones), 1-45 columns (blocks of 8, 16, 32 and 64 columns, partial ones), within one block of k
-    and over it, with a bias and both output dtypes. Every row of W is followed by a NaN in
-    memory: a read past a row would put NaN into the output."""
+    """The AVX512-BF16 kernels on both weight layouts. [G, N, K] transposed (k-contiguous): the three
+    schemes, with K % 8 of 0, 1, 3, 6 and 7 (the swapped schemes read the last 4 or 8 k of a row of
+    W masked). [G, K, N] (n-contiguous): row pairs interleaved in column order (K < 128) or within
+    128-bit lanes and restored at the store (K >= 128), K odd (the last pair has no second row).
+    Groups of 1-4 rows (the swapped schemes' one vector of 4 rows, but the 256-bit one's vectors of
+    2 from 3 rows; the direct one's dot products), of 5-49 rows (the 256-bit swapped scheme's
+    vectors of 2 rows, in blocks of 2, 4 and 6 rows, the 512-bit one's of 4 in blocks of 4, 8 and
+    12, the direct one's of 6, and remainders), of 67 and 70 rows and one of 300 (cut into several
+    items; the swapped schemes' vectors of 4 rows, in blocks of 4, 8 and 12, partial ones), 1-45
+    columns (blocks of 8, 16, 32 and 64 columns, partial ones), within one block of k and over it,
+    with a bias and both output dtypes. Every row of W is followed by a NaN in memory: a read past
+    a row would put NaN into the output."""
     gen = torch.Generator().manual_seed(K)
     sizes = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 20, 24, 25, 31, 33, 40, 49, 67, 70, 300]
     G, M = len(sizes), sum(sizes)
