@@ -1564,6 +1564,13 @@ void pair_pack_b_rows(const Task& t, int64_t p0, int64_t pc, int64_t n0, int64_t
 // -> after, bf16 weight gradient: G=256, M=4096, K=512, N=256 4.26 -> 3.74 ms (dense 3.02), G=64,
 // M=2048, K=N=512 3.45 -> 3.16, Qwen3-30B-A3B /4 2.95 -> 2.69-2.78, DeepSeek-V3 /16 2.22 -> 1.92,
 // G=8 level; equal groups of 16 tokens at G=256 4.37 -> 3.53-3.57; input gradients 0-2%.
+// Without a bias the sums are stored as they are, where adding the zeros load_bias wrote took
+// 24 VADDPS a block of 6 rows: at a weight gradient's 16 tokens a group that was ~2% of the call
+// (Zen 4 VM, 2 threads, one process alternating, caches flushed, 16-24 rounds, medians,
+// 2026-12-07: G=256, M=4096, K=512, N=256 4.05 -> 3.96 ms with Dirichlet sizes, 3.95 -> 3.85 and
+// 3.95 -> 3.82 ms with groups of 16; G=64 weight gradients and the input gradients level). Adding
+// +0 changed no sum but -0, which VDPBF16PS leaves where it flushes a negative denormal result to
+// zero: such sums are now -0 as the reference's are (checked: 16 tokens of 2^-70 x -2^-70).
 template <Dt O, int R>
 inline void fma_store_full(const Task& t, int64_t row0, int64_t col0, __m512 (&acc)[kMR][4], const float* bias) {
   using TO = typename Ty<O>::T;
@@ -1571,12 +1578,13 @@ inline void fma_store_full(const Task& t, int64_t row0, int64_t col0, __m512 (&a
   const int64_t ldc = t.c_sm;
   const __m512 b0 = _mm512_load_ps(bias), b1 = _mm512_load_ps(bias + 16), b2 = _mm512_load_ps(bias + 32),
                b3 = _mm512_load_ps(bias + 48);
-  auto rows = [&](auto nt) {
-    constexpr bool kNt = decltype(nt)::value;
+  auto rows = [&](auto nt, auto with_bias) {
+    constexpr bool kNt = decltype(nt)::value, kBias = decltype(with_bias)::value;
+    auto plus = [](__m512 v, __m512 b) { return kBias ? _mm512_add_ps(v, b) : v; };
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
-      const __m512 v0 = _mm512_add_ps(acc[i][0], b0), v1 = _mm512_add_ps(acc[i][1], b1),
-                   v2 = _mm512_add_ps(acc[i][2], b2), v3 = _mm512_add_ps(acc[i][3], b3);
+      const __m512 v0 = plus(acc[i][0], b0), v1 = plus(acc[i][1], b1), v2 = plus(acc[i][2], b2),
+                   v3 = plus(acc[i][3], b3);
       TO* const p = c0 + i * ldc;
       if constexpr (O == Dt::bf16) {
         const __m512i lo = f32_to_bf16x32_native(v0, v1), hi = f32_to_bf16x32_native(v2, v3);
@@ -1601,8 +1609,15 @@ inline void fma_store_full(const Task& t, int64_t row0, int64_t col0, __m512 (&a
     }
   };
   // Every row's pieces are whole aligned lines when the first row's are and rows are whole lines apart.
-  if (t.stream && ((uintptr_t)c0 & 63) == 0 && (ldc * (int64_t)sizeof(TO)) % 64 == 0) rows(Bool<true>{});
-  else rows(Bool<false>{});
+  const bool nt = t.stream && ((uintptr_t)c0 & 63) == 0 && (ldc * (int64_t)sizeof(TO)) % 64 == 0;
+  if (t.bias) {
+    if (nt) rows(Bool<true>{}, Bool<true>{});
+    else rows(Bool<false>{}, Bool<true>{});
+  } else if (nt) {
+    rows(Bool<true>{}, Bool<false>{});
+  } else {
+    rows(Bool<false>{}, Bool<false>{});
+  }
 }
 
 template <Dt O, int R, bool kNativeBf16 = false>
