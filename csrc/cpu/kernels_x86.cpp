@@ -1570,7 +1570,8 @@ void pair_pack_b_rows(const Task& t, int64_t p0, int64_t pc, int64_t n0, int64_t
 // 2026-12-07: G=256, M=4096, K=512, N=256 4.05 -> 3.96 ms with Dirichlet sizes, 3.95 -> 3.85 and
 // 3.95 -> 3.82 ms with groups of 16; G=64 weight gradients and the input gradients level). Adding
 // +0 changed no sum but -0, which VDPBF16PS leaves where it flushes a negative denormal result to
-// zero: such sums are now -0 as the reference's are (checked: 16 tokens of 2^-70 x -2^-70).
+// zero: here such sums are now -0 as the reference's are (checked: 16 tokens of 2^-70 x -2^-70);
+// the other epilogues still add the zeros (+0 there).
 template <Dt O, int R>
 inline void fma_store_full(const Task& t, int64_t row0, int64_t col0, __m512 (&acc)[kMR][4], const float* bias) {
   using TO = typename Ty<O>::T;
