@@ -71,7 +71,10 @@ def _extensions():
         # x86 kernels select their instruction set with a pragma and are used only after a
         # CPUID check, so the build needs no -march flag and runs on any x86-64.
         # The module refuses to load under any other torch (csrc/common/torch_version_guard.h).
-        define_macros=[("MOE_OPS_TORCH_VERSION", torch.__version__)],
+        # MOE_OPS_AMX_EMULATOR=1: a test build whose AMX kernels run on our emulator of the tiles
+        # (csrc/cpu/amx_emulator.h; .ci/sanitizers.sh on CPUs without AMX).
+        define_macros=[("MOE_OPS_TORCH_VERSION", torch.__version__)]
+        + ([("MOE_OPS_AMX_EMULATOR", "1")] if os.environ.get("MOE_OPS_AMX_EMULATOR", "0") not in ("", "0") else []),
         extra_compile_args=[opt or "-O3", "-fopenmp", *debug],
         extra_link_args=["-fopenmp"],
         optional=True,  # setuptools then skips the in-place copy of a module that was not built

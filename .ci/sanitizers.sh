@@ -14,11 +14,18 @@ case "$phase" in
     build|test) scratch="${2:?usage: .ci/sanitizers.sh [build DIR | test DIR]}" ;;
     *) echo "usage: .ci/sanitizers.sh [build DIR | test DIR]"; exit 1 ;;
 esac
+# The AMX kernels run natively where the CPU has AMX (each tile load and store checks its bytes
+# in this build: check_tile in kernels_x86.cpp). On CPUs with AVX512-BF16 and no AMX, where they
+# would not run at all, the build puts their tiles on our emulator (csrc/cpu/amx_emulator.h),
+# whose tile loads and stores ASan sees; on CPUs without AVX512-BF16 they cannot run here.
+flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) "
+amx_emulator=0
+[[ "$flags" == *" avx512_bf16 "* && "$flags" != *" amx_bf16 "* ]] && amx_emulator=1
 if [ "$phase" != test ]; then
     start=$SECONDS
     mkdir -p "$scratch"
     git ls-files -z | xargs -0 cp --parents -t "$scratch"
-    (cd "$scratch" && MOE_OPS_OPT=-O1 \
+    (cd "$scratch" && MOE_OPS_OPT=-O1 MOE_OPS_AMX_EMULATOR=$amx_emulator \
         CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g1" \
         LDFLAGS="-fsanitize=address,undefined" python setup.py -q build_ext --inplace)
     echo "sanitizer build: $((SECONDS - start)) s"
@@ -35,6 +42,14 @@ export MOE_OPS_REQUIRE_BACKENDS=cpu
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
 export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+python - "$amx_emulator" <<'PY'
+import sys, torch, moe_ops._cpu  # noqa: F401 (registers torch.ops.moe_cpu)
+machine, emulated = torch.ops.moe_cpu.machine(), torch.ops.moe_cpu.amx_emulated()
+if emulated != (sys.argv[1] == "1"):
+    sys.exit(f"sanitizers: the module's AMX emulator is {'on' if emulated else 'off'}, asked {sys.argv[1]}")
+print("AMX kernels: " + ("on our emulator of the tiles" if emulated else "native" if machine == "amx"
+                         else f"not run (best level here: {machine})"))
+PY
 # Not the tests marked outside_cpp (27, ~65 s of the 230 s here): torch.compile's graphs, which
 # call the same C++ entry as eager calls do after an Inductor compile that is most of their time,
 # the package without its module or with a module of another torch, the build, and the benchmark

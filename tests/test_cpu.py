@@ -153,6 +153,23 @@ def amd_cpu() -> bool:
 
 
 @needs_cpuinfo
+def test_amx_level_is_the_cpus_or_the_emulators_and_is_reported():
+    """The AMX level is the machine's only where /proc/cpuinfo lists AMX-BF16 (and the OS grants
+    the tiles), except in the test build with MOE_OPS_AMX_EMULATOR (.ci/sanitizers.sh on CPUs with
+    AVX512-BF16 and no AMX), where the tiles are emulated and it is the machine's wherever the CPU
+    has AVX512-BF16; `python -m moe_ops`'s CPU line names the emulator exactly there."""
+    if os.environ.get("MOE_OPS_CPU_ISA"):
+        pytest.skip("MOE_OPS_CPU_ISA caps the machine's level")
+    flags = set(first_cpu_info().get("flags", "").split())
+    machine, emulated = torch.ops.moe_cpu.machine(), torch.ops.moe_cpu.amx_emulated()
+    if emulated:
+        assert (machine == "amx") == ("avx512_bf16" in flags)
+    elif machine == "amx":
+        assert "amx_bf16" in flags
+    assert ("emulator" in cpu_backend.status().detail) == (emulated and machine == "amx")
+
+
+@needs_cpuinfo
 def test_bf16_scheme_follows_the_cpu_family_and_is_reported():
     """The swapped bf16 scheme in 256-bit lanes is the default exactly on AMD family 25 (0x19, Zen
     4: 512-bit operations as two 256-bit halves), as /proc/cpuinfo names it (the kernel decodes

@@ -73,6 +73,11 @@ Isa detect_isa_x86() {
   unsigned a1 = 0, b1, c1, d1;
   const bool bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 & (1u << 5));  // AVX512-BF16
   const Isa without_amx = bf16 ? Isa::avx512bf16 : Isa::avx512;
+#if defined(MOE_OPS_AMX_EMULATOR)
+  // A test build: the AMX kernels with their tiles on our emulator (amx_emulator.h), wherever
+  // the rest of them can run.
+  return bf16 ? Isa::amx : without_amx;
+#endif
   if (!amx) return without_amx;
   // Linux hands out the AMX tile state only on request (once per process; oneDNN asks too).
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
@@ -738,6 +743,14 @@ void register_ops() {
            "int isa=-1, int bf16_scheme=-1, int far_prefetch=-1) -> Tensor");
   def->def("kernel_for(ScalarType dtype, int isa=-1) -> str", &kernel_for);
   def->def("machine() -> str", &machine);
+  // Whether this is the test build whose AMX level runs on the emulator (amx_emulator.h).
+  def->def("amx_emulated() -> bool", [] {
+#if defined(MOE_OPS_AMX_EMULATOR)
+    return true;
+#else
+    return false;
+#endif
+  });
   def->def("mm_groups(str layout, Tensor mat_a, Tensor mat_b, Tensor? offs, Tensor? bias, ScalarType out_dtype, "
            "int isa=-1) -> int[]",
            &mm_groups);

@@ -56,6 +56,38 @@ namespace {
 
 #include "kernel_common.h"
 
+// The AMX operations of the kernels below: the instructions, or in a test build with
+// MOE_OPS_AMX_EMULATOR our emulator of them (amx_emulator.h). A tile load or store moves 16 rows
+// of 64 bytes (the one configuration, thread_begin), `stride` bytes apart; ASan does not see
+// the instructions, so a sanitizer build checks those bytes first (check_tile).
+#if defined(MOE_OPS_AMX_EMULATOR)
+#include "amx_emulator.h"
+#define MOE_TILE_LOAD(t, base, stride) amx_emu::load(t, base, stride)
+#define MOE_TILE_STORE(t, base, stride) amx_emu::store(t, base, stride)
+#define MOE_TILE_ZERO(t) amx_emu::zero(t)
+#define MOE_TILE_DPBF16PS(c, a, b) amx_emu::dpbf16ps(c, a, b)
+inline void tile_config(const void* cfg) { amx_emu::config(cfg); }
+inline void tile_release() { amx_emu::release(); }
+#else
+inline void check_tile(const void* base, int64_t stride, bool store) {
+  for (int64_t r = 0; r < 16; ++r) check_bytes((const char*)base + r * stride, 64, store);
+}
+#define MOE_TILE_LOAD(t, base, stride) \
+  do {                                   \
+    check_tile(base, stride, false);     \
+    _tile_loadd(t, base, stride);        \
+  } while (0)
+#define MOE_TILE_STORE(t, base, stride) \
+  do {                                    \
+    check_tile(base, stride, true);       \
+    _tile_stored(t, base, stride);        \
+  } while (0)
+#define MOE_TILE_ZERO(t) _tile_zero(t)
+#define MOE_TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+inline void tile_config(const void* cfg) { _tile_loadconfig(cfg); }
+inline void tile_release() { _tile_release(); }
+#endif
+
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 inline __mmask8 mask8(int64_t n) { return n >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << n) - 1); }
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1); }
@@ -729,31 +761,31 @@ inline void amx_block(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, 
                       const AmxPrefetch& pf, bool accumulate) {
   const int64_t ldb = ldc * 4;
   if (accumulate) {
-    _tile_loadd(0, c, ldb);
-    if (NT == 2) _tile_loadd(1, c + 16, ldb);
-    if (MT == 2) _tile_loadd(2, c + 16 * ldc, ldb);
-    if (MT == 2 && NT == 2) _tile_loadd(3, c + 16 * ldc + 16, ldb);
+    MOE_TILE_LOAD(0, c, ldb);
+    if (NT == 2) MOE_TILE_LOAD(1, c + 16, ldb);
+    if (MT == 2) MOE_TILE_LOAD(2, c + 16 * ldc, ldb);
+    if (MT == 2 && NT == 2) MOE_TILE_LOAD(3, c + 16 * ldc + 16, ldb);
   } else {
-    _tile_zero(0);
-    if (NT == 2) _tile_zero(1);
-    if (MT == 2) _tile_zero(2);
-    if (MT == 2 && NT == 2) _tile_zero(3);
+    MOE_TILE_ZERO(0);
+    if (NT == 2) MOE_TILE_ZERO(1);
+    if (MT == 2) MOE_TILE_ZERO(2);
+    if (MT == 2 && NT == 2) MOE_TILE_ZERO(3);
   }
   for (int64_t s = 0; s < ks; ++s) {
     for (int64_t r = 0; r < pf.lines; ++r) _mm_prefetch(pf.p + r * pf.stride + s * pf.step, _MM_HINT_T1);
-    _tile_loadd(4, a0 + s * a_step, a_stride);
-    if (MT == 2) _tile_loadd(5, a1 + s * a_step, a_stride);
-    _tile_loadd(6, b0 + s * kTileElems, 64);
-    if (NT == 2) _tile_loadd(7, b1 + s * kTileElems, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (NT == 2) _tile_dpbf16ps(1, 4, 7);
-    if (MT == 2) _tile_dpbf16ps(2, 5, 6);
-    if (MT == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
+    MOE_TILE_LOAD(4, a0 + s * a_step, a_stride);
+    if (MT == 2) MOE_TILE_LOAD(5, a1 + s * a_step, a_stride);
+    MOE_TILE_LOAD(6, b0 + s * kTileElems, 64);
+    if (NT == 2) MOE_TILE_LOAD(7, b1 + s * kTileElems, 64);
+    MOE_TILE_DPBF16PS(0, 4, 6);
+    if (NT == 2) MOE_TILE_DPBF16PS(1, 4, 7);
+    if (MT == 2) MOE_TILE_DPBF16PS(2, 5, 6);
+    if (MT == 2 && NT == 2) MOE_TILE_DPBF16PS(3, 5, 7);
   }
-  _tile_stored(0, c, ldb);
-  if (NT == 2) _tile_stored(1, c + 16, ldb);
-  if (MT == 2) _tile_stored(2, c + 16 * ldc, ldb);
-  if (MT == 2 && NT == 2) _tile_stored(3, c + 16 * ldc + 16, ldb);
+  MOE_TILE_STORE(0, c, ldb);
+  if (NT == 2) MOE_TILE_STORE(1, c + 16, ldb);
+  if (MT == 2) MOE_TILE_STORE(2, c + 16 * ldc, ldb);
+  if (MT == 2 && NT == 2) MOE_TILE_STORE(3, c + 16 * ldc + 16, ldb);
 }
 
 inline void amx_dispatch(int mt, int nt, const uint16_t* a0, const uint16_t* a1, int64_t a_stride, int64_t a_step,
@@ -2603,12 +2635,12 @@ void thread_begin(Isa isa, Dt in) {
   // GCC 12 does not see that ldtilecfg reads the whole struct and drops the stores above
   // without this barrier (the tiles then stay unconfigured: SIGILL on the first tile op).
   __asm__ volatile("" : : "m"(cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  tile_config(&cfg);
 }
 
 void thread_end(Isa isa, Dt in) {
   // Leaves the tile state as oneDNN expects to find it (it configures tiles itself).
-  if (uses_amx(isa, in)) _tile_release();
+  if (uses_amx(isa, in)) tile_release();
   _mm_sfence();  // non-temporal stores (Task::stream) are visible before the region ends
 }
 

@@ -230,6 +230,8 @@ def status() -> Status:
              2: "512-bit lanes"}.get(torch.ops.moe_cpu.bf16_scheme())
     swapped = (f"bf16 with k-contiguous weights in the swapped scheme (rows in {lanes}); "
                if machine == "avx512_bf16" and lanes else "")
+    if machine == "amx" and torch.ops.moe_cpu.amx_emulated():
+        machine = "amx (a test build: the tiles on moe_ops' emulator, csrc/cpu/amx_emulator.h)"
     return Status(NAME, ("CPU",), "native",
                   f"C++ kernel, {torch.get_num_threads()} threads, {machine} CPU ({kernels}); {swapped}"
                   f"output cache {cached >> 20} of {limit >> 20} MiB")
