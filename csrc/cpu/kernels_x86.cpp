@@ -1613,7 +1613,7 @@ inline void fma_store_full(const Task& t, int64_t row0, int64_t col0, __m512 (&a
                b3 = _mm512_load_ps(bias + 48);
   auto rows = [&](auto nt, auto with_bias) {
     constexpr bool kNt = decltype(nt)::value, kBias = decltype(with_bias)::value;
-    auto plus = [](__m512 v, __m512 b) { return kBias ? _mm512_add_ps(v, b) : v; };
+    auto plus = [&](__m512 v, __m512 b) { return kBias ? _mm512_add_ps(v, b) : v; };
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
       const __m512 v0 = plus(acc[i][0], b0), v1 = plus(acc[i][1], b1), v2 = plus(acc[i][2], b2),
