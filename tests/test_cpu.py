@@ -1216,6 +1216,38 @@ def test_large_output_in_a_reused_block_is_written_completely(isa, layout, strid
 
 
 @needs_cache
+@pytest.mark.parametrize("weights", ["nk", "kn"])
+def test_amx_rows_keep_their_bits_across_the_item_and_panel_kernels(weights):
+    """With AMX, items of more rows than amx_item_rows (256 here) take amx_item_panels, and so do
+    streamed outputs (8 MiB and more, in a reused block) with [G, K, N] weights: it streams the
+    rows through packed column slices where amx_item packs the item's rows once, but each output
+    element gets the same tile operations in the same k order (K = 320: 10 k tiles, past the
+    panels' k step of 8), so the same bits. The whole call (fp32 out: 8.2 MiB, streamed), the same
+    call with the rows permuted within their groups (its output in a new block: not streamed) and
+    each group called alone (groups of up to 256 rows on amx_item) agree bit for bit. Runs where
+    the CPU has AMX and on our emulator of the tiles (the sanitizer stage on CPUs without AMX)."""
+    if torch.ops.moe_cpu.machine() != "amx":
+        pytest.skip(f"this CPU has no AMX (best: {torch.ops.moe_cpu.machine()})")
+    gen = torch.Generator().manual_seed(11)
+    K, N = 320, 1024
+    starts, ends = [0, 300, 303, 503], [300, 303, 503, 2100]  # 300, 3, 200 and 1597 rows
+    a = torch.randn(2100, K, generator=gen).bfloat16()
+    w = torch.randn(4, N, K, generator=gen).bfloat16()
+    b = w.transpose(1, 2) if weights == "nk" else w.transpose(1, 2).contiguous()
+    bias, offs = torch.randn(4, N, generator=gen).bfloat16(), torch.tensor(ends, dtype=torch.int32)
+    run((a, b, offs, bias, torch.float32))  # its output's block, freed, is the next call's
+    out = run((a, b, offs, bias, torch.float32))
+    assert out.nbytes >= 8 << 20
+    perm = torch.cat([lo + torch.randperm(hi - lo, generator=gen) for lo, hi in zip(starts, ends)])
+    assert torch.equal(run((a[perm].contiguous(), b, offs, bias, torch.float32)), out[perm]), weights
+    for g, (lo, hi) in enumerate(zip(starts, ends)):
+        alone = run((a[lo:hi], b[g:g + 1], offs.new_tensor([hi - lo]), bias[g:g + 1], torch.float32))
+        assert torch.equal(alone, out[lo:hi]), f"{weights} group {g} alone"
+    # Last: its large temporaries, freed to the output cache, would let the permuted call stream.
+    check_by_reference(out, a, b, offs, bias, torch.float32, what=weights)
+
+
+@needs_cache
 @pytest.mark.parametrize("level", SWAPPED)
 @pytest.mark.parametrize("K", [512, 1030])
 def test_swapped_scheme_sums_to_c_as_through_its_workspace(K, level):
