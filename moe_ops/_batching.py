@@ -209,6 +209,7 @@ def grouped_mm_vmap(info, in_dims, mat_a, mat_b, offs=None, bias=None, out_dtype
             return out.masked_fill_(_past(out, rows, 1), 0), 0
         if layout == LAYOUT_3D3D:
             return op(a, b, None, bias, out_dtype).unflatten(0, (batch, G)), 0
+        assert rows is not None  # every layout but 3d3d has offs
         if layout == LAYOUT_3D2D:
             # Masked in place before the batch moves to the front: an in-place op on the
             # movedim view cannot be functionalized (torch.compile failed, "Cannot view").

@@ -89,6 +89,7 @@ def kernel_entry(name: str, impl: Callable, clamps_offs: bool = False) -> Callab
                 log.info("moe_ops: %s does not serve this call (%s); using the reference", name, e)
             _record("reference")
             if clamps_offs and offs is not None:
+                assert p.extent is not None  # None only for 3d3d, which has no offs
                 offs = _contract.sanitize_offs(offs, p.extent)
             return reference.compute(p, mat_a, mat_b, offs, bias)
         _record(_served.name or name)

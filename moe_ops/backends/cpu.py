@@ -51,6 +51,7 @@ import logging
 import os
 import re
 import sys
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ log = logging.getLogger("moe_ops")
 _loaded: bool | None = None
 _why_not = ""
 _kernel_names: dict = {}
-_kernel = None  # torch.ops.moe_cpu.grouped_mm.default once loaded (the overload: no resolution per call)
+_kernel: Any = None  # torch.ops.moe_cpu.grouped_mm.default once loaded (the overload: no resolution per call)
 
 
 _ISA_NAMES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # machine_isa() in grouped_mm.cpp

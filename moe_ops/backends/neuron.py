@@ -153,12 +153,12 @@ def _kernel_call(p: Problem, a, b, offs, bias, block: Optional[int] = None):
                                                     n_panel=panel_width(p.K, _itemsize(p)))
     if p.K == 0 or p.M == 0 or p.N == 0:
         return None
-    s = neuron_blockwise.schedule_2d2d(offs, p.K, block)
-    keep = s.keep.unsqueeze(0).expand(128, -1).contiguous()  # one copy per partition
+    s2 = neuron_blockwise.schedule_2d2d(offs, p.K, block)
+    keep = s2.keep.unsqueeze(0).expand(128, -1).contiguous()  # one copy per partition
     # mat_a is [M, K] with K ragged; the kernel wants K on partitions: [K, M]. In the weight
     # gradient mat_a is x.t(), so this is x itself and no copy is made.
-    args = (a.t().contiguous(), b.contiguous(), s.gather, keep, s.store)
-    return neuron_nki.block_mm_2d2d, args, dict(block=block, n_groups=p.G, out_fp32=out_fp32)
+    args2 = (a.t().contiguous(), b.contiguous(), s2.gather, keep, s2.store)
+    return neuron_nki.block_mm_2d2d, args2, dict(block=block, n_groups=p.G, out_fp32=out_fp32)
 
 
 def _by_shape(p: Problem, a):

@@ -50,7 +50,7 @@ import contextlib
 import threading
 import weakref
 from types import SimpleNamespace
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -129,7 +129,7 @@ class _Run:
 
     def __init__(self):
         self.live = {SBUF: 0, PSUM: 0}
-        self.counts = collections.Counter()
+        self.counts: collections.Counter = collections.Counter()
 
 
 _state = threading.local()
@@ -550,7 +550,9 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     if dst.dtype != "float32":
         raise EmulatorError(f"nc_matmul accumulates into a float32 PSUM tile, dst is {dst.dtype}")
     addr, _ = _addresses(dst)
-    init = dst._storage.mm_init[addr]
+    st = dst._storage
+    assert st.mm_init is not None  # every PSUM storage has one, and dst is in PSUM (checked above)
+    init = st.mm_init[addr]
     if accumulate is None:
         if init.any() and not init.all():
             raise EmulatorError("nc_matmul accumulate=None on a PSUM tile only partly initialised by matmuls")
@@ -558,6 +560,7 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     elif accumulate and not init.all():
         raise EmulatorError("nc_matmul accumulate=True on PSUM not initialised by a matmul "
                             "(undefined behaviour on hardware)")
+    wide: type
     if stationary.dtype == "float32":
         # fp32 inputs are multiplied and summed in fp64 here, more exactly than the engine's
         # multi-pass fp32, and rounded to fp32 once.
@@ -571,13 +574,12 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     # of PSUM accumulation; the docs do not say where the running sum starts)
     if accumulate:
         product = _read(dst).astype(wide) + product
-    st = dst._storage
     st.data[addr] = product.astype(np.float32)
     st.written[addr] = True
     st.mm_init[addr] = True
 
 
-def _operand0(t, data: Tensor) -> np.ndarray:
+def _operand0(t, data: Tensor) -> Union[np.ndarray, np.float32]:
     if isinstance(t, Tensor):
         if t.shape != (data.shape[0], 1):
             raise EmulatorError(f"operand0 must be a scalar or a ({data.shape[0]}, 1) tile, got {t.shape}")

@@ -108,13 +108,17 @@ def toolchains() -> frozenset:
 _capabilities: dict = {}
 
 
-def _capability(device: torch.device) -> Optional[tuple]:
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def _capability_of(index: int) -> tuple:
+    """(major, minor) of CUDA device ``index``, asked once per process."""
     if index not in _capabilities:
         _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
     return _capabilities[index]
+
+
+def _capability(device: torch.device) -> Optional[tuple]:
+    if device.type != "cuda":
+        return None
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 _toolchains: Optional[frozenset] = None
@@ -170,7 +174,7 @@ def _triton_version() -> Optional[str]:
 
 
 def _native_here() -> bool:
-    return torch.cuda.is_available() and _capability(torch.device("cuda", 0)) >= TRITON_MIN_CAPABILITY
+    return torch.cuda.is_available() and _capability_of(0) >= TRITON_MIN_CAPABILITY
 
 
 def status() -> Status:
@@ -186,7 +190,7 @@ def status() -> Status:
                       f"{_describe(BLACKWELL.serves)}")
     lines = []
     for i in range(torch.cuda.device_count()):
-        cap = _capability(torch.device("cuda", i))
+        cap = _capability_of(i)
         picks = {select(cap, found, torch.bfloat16, layout).kernel for layout in ("2d3d", "2d2d", "3d3d", "3d2d")}
         reason = select(cap, found, torch.bfloat16, "2d3d").reason
         lines.append(f"cuda:{i} {torch.cuda.get_device_name(i)} sm_{cap[0]}{cap[1]} -> {'/'.join(sorted(picks))} ({reason})")

@@ -60,7 +60,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -274,7 +274,7 @@ class CompiledKernel:
     cache) or "memory" (already loaded in this process); seconds: what that took."""
 
     key: KernelKey
-    function: object
+    function: Callable[..., object]
     object_path: Path
     source: str
     seconds: float
@@ -572,18 +572,21 @@ def _kernel_class():
 
         @cute.jit
         def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, offs: cute.Tensor,
-                     bias, grid: Int32, stream: cuda.CUstream):
+                     bias, grid: cutlass.Int32, stream: cuda.CUstream):
             """a [M, K], b [G, K, N] (N- or K-contiguous), c [M, N], offs [G] int32 (sanitized
             group ends), bias [G, N] or None; grid persistent CTAs on ``stream``."""
             self.a_dtype = a.element_type
             self.c_dtype = c.element_type
             one, zero = Int32(1), Int32(0)
+            # Traced, a tensor's shape and stride are tuples; the DSL annotates them as an int or a
+            # tuple, which mypy will not index (the type: ignore[index] here and below).
             mA = cute.make_tensor(a.iterator, cute.make_layout(
-                (a.shape[0], a.shape[1], one), stride=(a.stride[0], a.stride[1], zero)))
+                (a.shape[0], a.shape[1], one), stride=(a.stride[0], a.stride[1], zero)))  # type: ignore[index]
             mB = cute.make_tensor(b.iterator, cute.make_layout(
-                (b.shape[2], b.shape[1], b.shape[0]), stride=(b.stride[2], b.stride[1], b.stride[0])))
+                (b.shape[2], b.shape[1], b.shape[0]),  # type: ignore[index]
+                stride=(b.stride[2], b.stride[1], b.stride[0])))  # type: ignore[index]
             mC = cute.make_tensor(c.iterator, cute.make_layout(
-                (c.shape[0], c.shape[1], one), stride=(c.stride[0], c.stride[1], zero)))
+                (c.shape[0], c.shape[1], one), stride=(c.stride[0], c.stride[1], zero)))  # type: ignore[index]
             a_major = LayoutEnum.from_tensor(mA).mma_major_mode()
             b_major = LayoutEnum.from_tensor(mB).mma_major_mode()
 
@@ -623,7 +626,7 @@ def _kernel_class():
         def next_tile(self, t, g, g_start, g_end, tiles_before, offs: cute.Tensor, M, n_tiles):
             """Advance the group cursor until linear tile t lies in group g (g == G: the rows
             past offs[-1]; g > G: t is past the schedule). Returns the new cursor."""
-            G = Int32(offs.shape[0])
+            G = Int32(offs.shape[0])  # type: ignore[index]
             g_tiles = (g_end - g_start + TILE_M - 1) // TILE_M * n_tiles
             searching = (t >= tiles_before + g_tiles) & (g <= G)
             while searching:
@@ -658,15 +661,19 @@ def _kernel_class():
                 cpasync.prefetch_descriptor(tma_atom_a)
                 cpasync.prefetch_descriptor(tma_atom_b)
 
+            # The DSL reads these annotations (MemRange[element, count]) as the struct's layout; to
+            # mypy they are not types.
             @cute.struct
             class SharedStorage:
-                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-                acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
+                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]  # type: ignore
+                acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]  # type: ignore
                 tmem_dealloc_mbar: cutlass.Int64
-                tmem_holding_buf: Int32
+                tmem_holding_buf: cutlass.Int32
 
             smem = memory.SmemAllocator()
-            storage = smem.allocate(SharedStorage)
+            # A SharedStorage whose fields are the barriers' memory (allocate is annotated for
+            # numeric types only, and as returning a Pointer).
+            storage: Any = smem.allocate(SharedStorage)  # type: ignore[arg-type]
 
             # TMA warp -> MMA warp: one stage is full when both tiles' bytes have landed.
             ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
@@ -705,11 +712,11 @@ def _kernel_class():
 
             # Scheduler arithmetic in 32 bits (the host serves M, N, K, G <= _MAX_DIM only, so a
             # size plus a tile stays below 2^31); addresses are computed from the 64-bit strides.
-            M = Int32(mC.shape[0])
-            N = Int32(mC.shape[1])
-            G = Int32(offs.shape[0])
+            M = Int32(mC.shape[0])  # type: ignore[index]
+            N = Int32(mC.shape[1])  # type: ignore[index]
+            G = Int32(offs.shape[0])  # type: ignore[index]
             n_tiles = (N + self.tile_n - 1) // self.tile_n
-            k_tiles = (Int32(mA.shape[1]) + TILE_K - 1) // TILE_K
+            k_tiles = (Int32(mA.shape[1]) + TILE_K - 1) // TILE_K  # type: ignore[index]
 
             # ---------------- TMA warp ----------------
             if warp_idx == self.tma_warp:

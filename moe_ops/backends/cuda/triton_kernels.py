@@ -427,6 +427,7 @@ def interpreted():
     if _interpreted is None:
         name = __name__ + "_interpreted"
         spec = importlib.util.spec_from_file_location(name, __file__)
+        assert spec is not None and spec.loader is not None  # a source file's spec has a loader
         twin = importlib.util.module_from_spec(spec)
         twin.__package__ = __package__
         sys.modules[name] = twin  # dataclasses look their module up while the twin executes
@@ -490,7 +491,7 @@ def specialization_key(args) -> Optional[tuple]:
     Equal keys mean equal Triton specializations (``tests/test_cuda_launch.py`` checks that
     against Triton's own binder). None for any other argument (a TMA descriptor): those
     launches take Triton's path."""
-    key = []
+    key: list = []
     for v in args:
         if isinstance(v, int):
             key.append((v == 1, v % 16 == 0, -0x80000000 <= v <= 0x7FFFFFFF, v <= 0x7FFFFFFFFFFFFFFF))
@@ -601,6 +602,7 @@ def rows_per_group(p: Problem) -> Optional[int]:
         return None
     if p.layout == LAYOUT_3D3D:
         return p.M
+    assert p.extent is not None  # None only for 2d2d (above)
     return p.extent // max(p.G, 1)
 
 
