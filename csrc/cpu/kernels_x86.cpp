@@ -57,9 +57,12 @@ namespace {
 #include "kernel_common.h"
 
 // The AMX operations of the kernels below: the instructions, or in a test build with
-// MOE_OPS_AMX_EMULATOR our emulator of them (amx_emulator.h). A tile load or store moves 16 rows
-// of 64 bytes (the one configuration, thread_begin), `stride` bytes apart; ASan does not see
-// the instructions, so a sanitizer build checks those bytes first (check_tile).
+// MOE_OPS_AMX_EMULATOR our emulator of them (amx_emulator.h). Every tile has one shape,
+// kTileRows rows of kTileRowBytes bytes (thread_begin's configuration): a load or store moves
+// those rows, `stride` bytes apart; ASan does not see the instructions, so a sanitizer build
+// checks those bytes first (check_tile).
+constexpr int kTileRows = 16;
+constexpr int kTileRowBytes = 64;
 #if defined(MOE_OPS_AMX_EMULATOR)
 #include "amx_emulator.h"
 #define MOE_TILE_LOAD(t, base, stride) amx_emu::load(t, base, stride)
@@ -70,7 +73,7 @@ inline void tile_config(const void* cfg) { amx_emu::config(cfg); }
 inline void tile_release() { amx_emu::release(); }
 #else
 inline void check_tile(const void* base, int64_t stride, bool store) {
-  for (int64_t r = 0; r < 16; ++r) check_bytes((const char*)base + r * stride, 64, store);
+  for (int64_t r = 0; r < kTileRows; ++r) check_bytes((const char*)base + r * stride, kTileRowBytes, store);
 }
 #define MOE_TILE_LOAD(t, base, stride) \
   do {                                   \
@@ -606,7 +609,7 @@ void gemvt_item(const Task& t, const Item& it, void* ws) {
 // columns x 2). A packed operand is stored tile after tile, [tile][k-step][16][32] bf16, so a
 // tile is 1 KiB of contiguous memory (no cache-set conflicts whatever K is).
 
-constexpr int64_t kTileElems = 512;  // 16 x 32 bf16
+constexpr int64_t kTileElems = kTileRows * kTileRowBytes / 2;  // 16 x 32 bf16
 constexpr int64_t kAmxBufRows = 256;  // most rows (and packed columns) of one AMX item
 
 struct alignas(64) TileConfig {
@@ -2629,8 +2632,8 @@ void thread_begin(Isa isa, Dt in) {
   memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
+    cfg.rows[i] = kTileRows;
+    cfg.colsb[i] = kTileRowBytes;
   }
   // GCC 12 does not see that ldtilecfg reads the whole struct and drops the stores above
   // without this barrier (the tiles then stay unconfigured: SIGILL on the first tile op).
