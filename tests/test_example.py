@@ -178,8 +178,8 @@ def test_the_package_is_typed_for_its_users(tmp_path, source_tree):
     """moe_ops ships py.typed (PEP 561), so type checkers read its annotations: the wheel holds the
     marker (built without the C++ modules from a copy of the tree), mypy finds no error in the
     package (every module, the backends' kernels included, with pyproject.toml's [tool.mypy]:
-    function bodies checked whether annotated or not), and in a script that uses the API as
-    documented it flags exactly the two misuses (a str for out_dtype, a list for offs)."""
+    function bodies checked whether annotated or not) nor in examples/, and in a script that uses
+    the API as documented it flags exactly the two misuses (a str for out_dtype, a list for offs)."""
     pytest.importorskip("mypy", reason="mypy is not installed (pip install -r requirements-test.txt)")
     import os
     import zipfile
@@ -193,10 +193,10 @@ def test_the_package_is_typed_for_its_users(tmp_path, source_tree):
 
     script = tmp_path / "user.py"
     script.write_text(_USER_SCRIPT)
-    # The package and the script in one run, in the checkout (where mypy finds moe_ops: an
-    # editable install hides it from mypy): no error but the script's two.
+    # The package, the examples and the script in one run, in the checkout (where mypy finds
+    # moe_ops: an editable install hides it from mypy): no error but the script's two.
     args = ["--cache-dir", str(tmp_path / "mypy_cache"), "--follow-imports=silent", "--no-error-summary"]
-    r = subprocess.run([sys.executable, "-m", "mypy", *args, "moe_ops", str(script)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "mypy", *args, "moe_ops", "examples", str(script)], capture_output=True,
                        text=True, timeout=600, cwd=ROOT)
     out = r.stdout + r.stderr
     errors = [line for line in out.splitlines() if ": error:" in line]
