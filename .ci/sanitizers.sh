@@ -56,8 +56,11 @@ PY
 # scripts. Each runs natively in the Quickstart suite. A marker, not a -k substring: a new test
 # whose name holds "compiled" must not leave this stage unseen.
 # --capture=sys: a sanitizer's report goes to file descriptor 2, which pytest must not swallow.
-python -m pytest -q -p no:cacheprovider --capture=sys tests/test_cpu.py tests/test_autograd.py tests/test_func.py tests/test_vmap.py tests/test_errors.py \
-    tests/test_properties.py -m "not outside_cpp" -k "not test_properties or cpu"
+sanitized_tests() {  # test files: their tests that reach the C++ modules (the CPU ones of test_properties)
+    python -m pytest -q -p no:cacheprovider --capture=sys "$@" -m "not outside_cpp" -k "not test_properties or cpu"
+}
+sanitized_tests tests/test_cpu.py tests/test_autograd.py tests/test_func.py tests/test_vmap.py tests/test_errors.py \
+    tests/test_properties.py
 # With the emulator, the machine's level above is AMX, so bf16 in the property, autograd, func
 # and vmap tests took the AMX kernels; this CPU's own bf16 kernels (the AVX512-BF16 level and its
 # schemes) get those tests too, the level capped (test_cpu.py above runs every level already).
@@ -68,6 +71,5 @@ if [ "$amx_emulator" = 1 ]; then
 level = torch.ops.moe_cpu.kernel_for(torch.bfloat16)
 print(f"bf16 at MOE_OPS_CPU_ISA=avx512_bf16: {level}")
 sys.exit(0 if level == "avx512_bf16" else "sanitizers: the cap did not take")'
-    python -m pytest -q -p no:cacheprovider --capture=sys tests/test_autograd.py tests/test_func.py tests/test_vmap.py \
-        tests/test_properties.py -m "not outside_cpp" -k "not test_properties or cpu"
+    sanitized_tests tests/test_autograd.py tests/test_func.py tests/test_vmap.py tests/test_properties.py
 fi
